@@ -1,0 +1,428 @@
+"""The TrainingJob CustomResourceDefinition: the single source of truth for its schema.
+
+``deploy/`` and the Helm chart are generated from :func:`crd_manifest`, and the tests validate
+examples against it, so the schema, the CEL rules and the printer columns live only here.
+
+Every property carries a description because ``kubectl explain trainingjob.spec...`` is how
+users discover the API. Every validation rule is CEL with a message that names the field and
+the fix, so that the API server refuses a bad TrainingJob with a sentence, not a stack.
+
+The operator keeps kopf's own bookkeeping in annotations (see ``settings.py``), so the status
+schema below is complete: nothing unknown is written there, and nothing is pruned.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Final
+
+__all__ = [
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "SHORT_NAME",
+    "SINGULAR",
+    "VERSION",
+    "crd_manifest",
+    "peering_crd_manifests",
+]
+
+GROUP: Final = "baton.dev"
+VERSION: Final = "v1alpha1"
+KIND: Final = "TrainingJob"
+PLURAL: Final = "trainingjobs"
+SINGULAR: Final = "trainingjob"
+SHORT_NAME: Final = "tj"
+
+PHASES: Final = ("Pending", "Running", "Checkpointing", "Restarting", "Succeeded", "Failed")
+
+# Bounds that keep the CEL cost estimate small (an unbounded list makes the API server
+# reject the CRD for an estimated cost over budget) and that no real job comes near.
+_MAX_CONTAINERS: Final = 64
+_MAX_NAME: Final = 253
+_MAX_URI: Final = 2048
+
+
+def _int(
+    description: str, *, minimum: int | None = None, default: int | None = None
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer", "format": "int64", "description": description}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def _immutable_rule(field: str) -> dict[str, Any]:
+    # A transition rule on the root object: it may read the old status, so the field stays
+    # editable until the operator has started the job (status.phase is set), and frozen after.
+    return {
+        "rule": (
+            f"!has(oldSelf.status) || !has(oldSelf.status.phase) || "
+            f"self.spec.{field} == oldSelf.spec.{field}"
+        ),
+        "message": (
+            f"spec.{field} is immutable once the job has started: delete and re-create the "
+            "TrainingJob to change it"
+        ),
+        "fieldPath": f".spec.{field}",
+        "reason": "FieldValueForbidden",
+    }
+
+
+def _spec_schema() -> dict[str, Any]:
+    container = {
+        "type": "object",
+        "description": "A container of the pod template (core/v1 Container).",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "required": ["name"],
+        "properties": {"name": _str("The container name.", maxLength=_MAX_NAME)},
+    }
+    template = {
+        "type": "object",
+        "description": (
+            "The pod template for every replica (core/v1 PodTemplateSpec). It must have a "
+            "container named `trainer`; the operator adds the env contract, the "
+            "`baton-sidecar` native sidecar, the control volume and owner references."
+        ),
+        "required": ["spec"],
+        "properties": {
+            "metadata": {
+                "type": "object",
+                "description": "Labels and annotations copied onto every pod.",
+                "x-kubernetes-preserve-unknown-fields": True,
+            },
+            "spec": {
+                "type": "object",
+                "description": "The pod spec (core/v1 PodSpec).",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "required": ["containers"],
+                "properties": {
+                    "containers": {
+                        "type": "array",
+                        "description": "The pod's containers; one must be named `trainer`.",
+                        "maxItems": _MAX_CONTAINERS,
+                        "items": container,
+                    }
+                },
+            },
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.spec.containers.exists(c, c.name == 'trainer')",
+                "message": (
+                    "spec.template.spec.containers must include a container named `trainer` "
+                    "(the operator injects the training env into it)"
+                ),
+                "fieldPath": ".spec.containers",
+                "reason": "FieldValueRequired",
+            }
+        ],
+    }
+    checkpoint = {
+        "type": "object",
+        "description": "Where and how often the SDK saves checkpoints.",
+        "required": ["uri"],
+        "properties": {
+            "uri": _str(
+                "Where checkpoints live: `s3://bucket/prefix`, `file:///path` or an absolute "
+                "path. Immutable once the job has started.",
+                maxLength=_MAX_URI,
+            ),
+            "everySteps": _int("Periodic checkpoint interval in optimizer steps (> 0)."),
+            "everySeconds": _int("Periodic checkpoint interval in seconds (> 0), if set."),
+            "keepLast": _int("How many committed checkpoints to keep.", minimum=1),
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": (
+                    "self.uri.startsWith('s3://') || self.uri.startsWith('file://') || "
+                    "self.uri.startsWith('/')"
+                ),
+                "message": (
+                    "spec.checkpoint.uri must start with s3:// or file://, or be an absolute path"
+                ),
+                "fieldPath": ".uri",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": "!has(self.everySteps) || self.everySteps > 0",
+                "message": "spec.checkpoint.everySteps must be greater than 0",
+                "fieldPath": ".everySteps",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": "!has(self.everySeconds) || self.everySeconds > 0",
+                "message": "spec.checkpoint.everySeconds must be greater than 0",
+                "fieldPath": ".everySeconds",
+                "reason": "FieldValueInvalid",
+            },
+        ],
+    }
+    failure_policy = {
+        "type": "object",
+        "description": (
+            "Budgets. Preemptions (a notice the operator acted on) and failures (a crash or "
+            "an unannounced node loss) are counted separately."
+        ),
+        "properties": {
+            "maxFailures": _int("Failures allowed before the job is Failed.", minimum=0, default=3),
+            "maxPreemptions": _int(
+                "Preemptions allowed before the job is Failed.", minimum=0, default=100
+            ),
+            "backoffSeconds": _int(
+                "First delay before a restart after a failure; doubles per failure.",
+                minimum=0,
+                default=10,
+            ),
+            "maxBackoffSeconds": _int(
+                "Ceiling of the exponential failure backoff.", minimum=0, default=300
+            ),
+        },
+    }
+    return {
+        "type": "object",
+        "description": "The desired training job.",
+        "required": ["replicas", "template", "checkpoint"],
+        "properties": {
+            "replicas": _int(
+                "Pods; WORLD_SIZE = replicas * procsPerReplica. Immutable once started."
+            ),
+            "procsPerReplica": _int(
+                "Training processes per pod (LOCAL_WORLD_SIZE). Immutable once started.",
+                minimum=1,
+                default=1,
+            ),
+            "minReplicas": _int(
+                "Elastic floor: when fewer than `replicas` nodes can host the job for "
+                "`elasticWaitSeconds`, restart with as few as this many pods. Unset means "
+                "never shrink."
+            ),
+            "elasticWaitSeconds": _int(
+                "How long pods may stay unschedulable before an elastic shrink.",
+                minimum=0,
+                default=60,
+            ),
+            "masterPort": _int(
+                "The rendezvous port (MASTER_PORT) on rank 0's pod.", minimum=1, default=29500
+            ),
+            "template": template,
+            "checkpoint": checkpoint,
+            "failurePolicy": failure_policy,
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.replicas >= 1",
+                "message": "spec.replicas must be at least 1",
+                "fieldPath": ".replicas",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": "!has(self.minReplicas) || (self.minReplicas >= 1 && "
+                "self.minReplicas <= self.replicas)",
+                "message": "spec.minReplicas must be between 1 and spec.replicas",
+                "fieldPath": ".minReplicas",
+                "reason": "FieldValueInvalid",
+            },
+        ],
+    }
+
+
+def _status_schema() -> dict[str, Any]:
+    condition = {
+        "type": "object",
+        "description": "A condition in the usual Kubernetes shape.",
+        "required": ["type", "status"],
+        "properties": {
+            "type": _str("Ready, Progressing, Checkpointing, Degraded or Failed."),
+            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": _str("A CamelCase reason."),
+            "message": _str("What happened, for a human."),
+            "lastTransitionTime": _str("When status last changed.", format="date-time"),
+            "observedGeneration": _int("The spec generation this condition is about."),
+        },
+    }
+    notice = {
+        "type": "object",
+        "description": "The eviction notice being handled (checkpoint-then-reschedule).",
+        "properties": {
+            "source": _str(
+                "aws, karpenter, gke, autoscaler, cordon, out-of-service, disruption-target."
+            ),
+            "nodes": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The noticed nodes.",
+            },
+            "reason": _str("What the notice said."),
+            "deadline": _str("When the node is expected to go.", format="date-time"),
+            "receivedAt": _str("When the operator saw the notice.", format="date-time"),
+            "requestedAt": _str("When checkpoints were requested.", format="date-time"),
+        },
+    }
+    last_checkpoint = {
+        "type": "object",
+        "description": "The newest checkpoint that every rank reported committed.",
+        "properties": {
+            "step": _int("The optimizer step."),
+            "uri": _str("Where it lives."),
+            "trigger": _str("periodic, notice or signal."),
+            "completedAt": _str("When the operator saw the commit.", format="date-time"),
+            "seconds": {"type": "number", "description": "Save time reported by the SDK."},
+        },
+    }
+    return {
+        "type": "object",
+        "description": "What the operator observed and did.",
+        "properties": {
+            "phase": _str("Where the job is in its lifecycle.", enum=list(PHASES)),
+            "message": _str("The latest thing that happened, for a human."),
+            "attempt": _int("Incremented on every restart; pods carry it in their names."),
+            "worldSize": _int("WORLD_SIZE of the current attempt."),
+            "replicas": _int("Pods in the current attempt (fewer than spec after a shrink)."),
+            "preemptions": _int("Notices acted on (budget spec.failurePolicy.maxPreemptions)."),
+            "failures": _int("Crashes and unannounced node losses (budget maxFailures)."),
+            "resumedFromStep": _int("BATON_RESUME_STEP of the current attempt."),
+            "stepsLost": _int("Steps recomputed after restarts, in total."),
+            "observedGeneration": _int("The spec generation last acted on."),
+            "masterAddr": _str("Rank 0's pod IP for the current attempt."),
+            "attemptStartedAt": _str("When the current attempt was created.", format="date-time"),
+            "restartAfter": _str("Backoff: no new attempt before this time.", format="date-time"),
+            "restartReason": _str("preemption, failure or elastic."),
+            "unschedulableSince": _str(
+                "When pods of the current attempt first could not be placed.", format="date-time"
+            ),
+            "avoidNodes": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Nodes with a notice; new attempts are kept off them.",
+            },
+            "notice": notice,
+            "lastCheckpoint": last_checkpoint,
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+                "description": "Ready, Progressing, Checkpointing, Degraded, Failed.",
+            },
+        },
+    }
+
+
+_COLUMNS: Final = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {
+        "name": "World",
+        "type": "integer",
+        "jsonPath": ".status.worldSize",
+        "description": "WORLD_SIZE of the current attempt",
+    },
+    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
+    {
+        "name": "Checkpoint",
+        "type": "integer",
+        "jsonPath": ".status.lastCheckpoint.step",
+        "description": "The last committed checkpoint step",
+    },
+    {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions"},
+    {"name": "Failures", "type": "integer", "jsonPath": ".status.failures"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """Return the ``apiextensions.k8s.io/v1`` CRD for ``trainingjobs.baton.dev`` (a fresh dict)."""
+    schema = {
+        "type": "object",
+        "description": (
+            "A distributed PyTorch training job that survives spot preemptions: the operator "
+            "checkpoints every rank at one step before a node goes and resumes elsewhere."
+        ),
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _spec_schema(),
+            "status": _status_schema(),
+        },
+        "x-kubernetes-validations": [
+            _immutable_rule("replicas"),
+            _immutable_rule("procsPerReplica"),
+            _immutable_rule("checkpoint.uri"),
+        ],
+    }
+    return copy.deepcopy(
+        {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{PLURAL}.{GROUP}"},
+            "spec": {
+                "group": GROUP,
+                "scope": "Namespaced",
+                "names": {
+                    "kind": KIND,
+                    "plural": PLURAL,
+                    "singular": SINGULAR,
+                    "listKind": f"{KIND}List",
+                    "shortNames": [SHORT_NAME],
+                    "categories": ["baton"],
+                },
+                "versions": [
+                    {
+                        "name": VERSION,
+                        "served": True,
+                        "storage": True,
+                        "schema": {"openAPIV3Schema": schema},
+                        "subresources": {"status": {}},
+                        "additionalPrinterColumns": _COLUMNS,
+                    }
+                ],
+            },
+        }
+    )
+
+
+def peering_crd_manifests() -> list[dict[str, Any]]:
+    """Return kopf's peering CRDs (``kopf.dev/v1``), needed when the operator runs with peering.
+
+    kopf keeps a heartbeat per operator instance in these objects, so that a second replica
+    (for example during a rollout) stays paused while the first one is alive.
+    """
+    manifests = []
+    for kind, plural, scope in (
+        ("ClusterKopfPeering", "clusterkopfpeerings", "Cluster"),
+        ("KopfPeering", "kopfpeerings", "Namespaced"),
+    ):
+        manifests.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.kopf.dev"},
+                "spec": {
+                    "group": "kopf.dev",
+                    "scope": scope,
+                    "names": {"kind": kind, "plural": plural, "singular": plural[:-1]},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return manifests

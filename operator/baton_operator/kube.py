@@ -1,0 +1,220 @@
+"""The thin Kubernetes API layer: the only code in the operator that calls the API server.
+
+Each method declares the RBAC permission it uses with :func:`_needs`; ``rbac.py`` builds the
+ClusterRole from that registry, so a new call cannot ship without its verb and a removed call
+takes its verb with it. The ``kubernetes`` client is synchronous, so every call runs in a
+worker thread to keep kopf's event loop free.
+
+Creates are idempotent (``409 AlreadyExists`` means "someone, maybe our previous life, already
+made it"), and patches are retried on ``409 Conflict``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Final, ParamSpec, TypeVar, cast
+
+from kubernetes import client as k8s_client
+from kubernetes import config as _k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from . import crd
+from .errors import KubeError
+
+__all__ = ["PERMISSIONS", "Kube", "Permission", "load_client"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_CONFLICT_RETRIES: Final = 5
+
+# The client's generated stubs are partial (untyped config loaders, models where we ask for raw
+# JSON with _preload_content=False); the raw-dict boundary is typed by our own signatures.
+k8s_config: Any = _k8s_config
+
+
+@dataclass(frozen=True, order=True)
+class Permission:
+    """One RBAC (group, resource, verb) triple."""
+
+    group: str
+    resource: str
+    verb: str
+
+
+PERMISSIONS: set[Permission] = set()
+"""Every permission a :class:`Kube` method uses, filled in by :func:`_needs` at import."""
+
+
+def _needs(
+    group: str, resource: str, *verbs: str
+) -> Callable[[Callable[_P, Coroutine[Any, Any, _R]]], Callable[_P, Coroutine[Any, Any, _R]]]:
+    def register(
+        fn: Callable[_P, Coroutine[Any, Any, _R]],
+    ) -> Callable[_P, Coroutine[Any, Any, _R]]:
+        perms = frozenset(Permission(group, resource, v) for v in verbs)
+        PERMISSIONS.update(perms)
+        fn.__dict__.setdefault("baton_permissions", set()).update(perms)
+        return fn
+
+    return register
+
+
+def load_client(kubeconfig: str | None = None) -> Any:
+    """Return a ``kubernetes`` ApiClient from the in-cluster account or a kubeconfig."""
+    configuration = k8s_client.Configuration()
+    try:
+        if kubeconfig is None:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        else:
+            raise k8s_config.ConfigException("a kubeconfig was given")
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    return k8s_client.ApiClient(configuration)
+
+
+def _translate(e: ApiException, what: str) -> KubeError:
+    # Only the reason and message from the API server: never headers, which carry the token.
+    reason = ""
+    try:
+        reason = json.loads(e.body or "{}").get("message", "")
+    except (ValueError, AttributeError):
+        reason = str(e.reason)
+    return KubeError(f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0))
+
+
+def _is_already_exists(e: ApiException) -> bool:
+    if e.status != 409:
+        return False
+    try:
+        return bool(json.loads(e.body or "{}").get("reason") == "AlreadyExists")
+    except ValueError:
+        return False
+
+
+class Kube:
+    """Async wrappers around the few API calls the operator makes."""
+
+    def __init__(self, api_client: Any) -> None:
+        self._core: Any = k8s_client.CoreV1Api(api_client)
+        self._custom: Any = k8s_client.CustomObjectsApi(api_client)
+
+    @_needs(crd.GROUP, crd.PLURAL, "get")
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Return the TrainingJob, or None when it is gone."""
+        try:
+            job = await asyncio.to_thread(
+                self._custom.get_namespaced_custom_object,
+                crd.GROUP,
+                crd.VERSION,
+                namespace,
+                crd.PLURAL,
+                name,
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _translate(e, f"reading TrainingJob {namespace}/{name}") from e
+        return cast(dict[str, Any], job)
+
+    @_needs(crd.GROUP, f"{crd.PLURAL}/status", "patch")
+    async def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge ``status`` into the TrainingJob's status subresource."""
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                await asyncio.to_thread(
+                    self._custom.patch_namespaced_custom_object_status,
+                    crd.GROUP,
+                    crd.VERSION,
+                    namespace,
+                    crd.PLURAL,
+                    name,
+                    {"status": status},
+                )
+                return
+            except ApiException as e:
+                if e.status == 409 and attempt + 1 < _CONFLICT_RETRIES:
+                    await asyncio.sleep(0.2 * (attempt + 1))
+                    continue
+                if e.status == 404:
+                    return
+                raise _translate(e, f"patching TrainingJob {namespace}/{name} status") from e
+
+    @_needs("", "pods", "list")
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """Return the pods matching ``label_selector`` as plain dicts."""
+        try:
+            resp = await asyncio.to_thread(
+                self._core.list_namespaced_pod,
+                namespace,
+                label_selector=label_selector,
+                _preload_content=False,
+            )
+        except ApiException as e:
+            raise _translate(e, f"listing pods in {namespace}") from e
+        items: list[dict[str, Any]] = json.loads(resp.data)["items"]
+        return items
+
+    @_needs("", "pods", "create")
+    async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a pod; return False when it already existed (idempotent re-runs)."""
+        return await self._create(self._core.create_namespaced_pod, namespace, body, "pod")
+
+    @_needs("", "pods", "delete")
+    async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
+        """Delete a pod (gone already is fine)."""
+        try:
+            await asyncio.to_thread(
+                self._core.delete_namespaced_pod,
+                name,
+                namespace,
+                grace_period_seconds=grace_seconds,
+                propagation_policy="Background",
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise _translate(e, f"deleting pod {namespace}/{name}") from e
+
+    @_needs("", "services", "create")
+    async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a Service; return False when it already existed."""
+        return await self._create(self._core.create_namespaced_service, namespace, body, "service")
+
+    @_needs("", "secrets", "create")
+    async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a Secret; return False when it already existed."""
+        return await self._create(self._core.create_namespaced_secret, namespace, body, "secret")
+
+    @_needs("", "secrets", "get")
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """Return one decoded key of a Secret, or None when the Secret or key is missing."""
+        import base64
+
+        try:
+            resp = await asyncio.to_thread(
+                self._core.read_namespaced_secret, name, namespace, _preload_content=False
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _translate(e, f"reading Secret {namespace}/{name}") from e
+        data = json.loads(resp.data).get("data") or {}
+        if key not in data:
+            return None
+        return base64.b64decode(data[key]).decode()
+
+    async def _create(
+        self, fn: Callable[..., Any], namespace: str, body: dict[str, Any], kind: str
+    ) -> bool:
+        name = body.get("metadata", {}).get("name", "?")
+        try:
+            await asyncio.to_thread(fn, namespace, body, _preload_content=False)
+        except ApiException as e:
+            if _is_already_exists(e):
+                return False
+            raise _translate(e, f"creating {kind} {namespace}/{name}") from e
+        return True
