@@ -1,0 +1,111 @@
+"""Will a full save fit before a deadline? An honest estimate from measured throughput.
+
+The operator has to decide whether a node's notice leaves time for a checkpoint. Starting a
+save that cannot finish wastes the last seconds and, worse, looks like progress. So before an
+emergency save every rank estimates how long its part will take, from the throughput of its
+own earlier saves to the same storage (or, before the first save, from a small probe write),
+and the ranks agree on the slowest estimate. If ``now + estimate`` is past
+``deadline - margin`` the save is reported ``skipped`` and never started.
+
+The estimate is deliberately pessimistic: it uses the slowest of the recent observations and
+multiplies by a safety factor, because a skipped save costs the steps since the last
+checkpoint while a save cut off by the node's end costs the same *and* the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from trainer_sdk.storage.base import Storage
+
+__all__ = ["PROBE_PREFIX", "SaveEstimator", "probe_write"]
+
+PROBE_PREFIX = ".baton-probe"
+"""Directory (under the checkpoint root) for probe objects; not a step directory, so readers
+and retention ignore it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Observation:
+    nbytes: int
+    seconds: float
+
+
+class SaveEstimator:
+    """Keeps the last few (bytes, seconds) of this rank's saves and predicts the next one."""
+
+    def __init__(self, *, history: int = 5, safety: float = 1.5, fixed_s: float = 0.25) -> None:
+        if history < 1:
+            raise ValueError("history must be >= 1: the estimator needs one observation to use")
+        if safety < 1.0:
+            raise ValueError("safety must be >= 1.0: a factor below one promises saves too fast")
+        self._obs: deque[_Observation] = deque(maxlen=history)
+        self._probe: _Observation | None = None
+        self.safety = safety
+        """Multiplier on the raw estimate (unitless)."""
+        self.fixed_s = fixed_s
+        """Seconds added for the agreement, commit collective and manifest, which do not
+        scale with bytes."""
+
+    def record(self, nbytes: int, seconds: float, *, probe: bool = False) -> None:
+        """Record that ``nbytes`` took ``seconds`` to write and commit (ignores empty saves).
+
+        A ``probe`` observation is used only until a real save has been measured: a small
+        probe is dominated by fsync latency and would understate a large save's throughput.
+        """
+        if nbytes <= 0 or seconds <= 0:
+            return
+        obs = _Observation(nbytes=nbytes, seconds=seconds)
+        if probe:
+            self._probe = obs
+        else:
+            self._obs.append(obs)
+
+    @property
+    def measured(self) -> bool:
+        """Whether there is anything (a save or a probe) to estimate from."""
+        return bool(self._obs) or self._probe is not None
+
+    @property
+    def throughput(self) -> float | None:
+        """Bytes per second of the slowest recent save (else of the probe), or ``None``."""
+        if self._obs:
+            return min(o.nbytes / o.seconds for o in self._obs)
+        if self._probe is not None:
+            return self._probe.nbytes / self._probe.seconds
+        return None
+
+    def estimate(self, nbytes: int) -> float | None:
+        """Predicted seconds to save ``nbytes``; ``None`` when nothing was measured yet."""
+        tput = self.throughput
+        if tput is None:
+            return None
+        return self.fixed_s + self.safety * nbytes / tput
+
+
+def probe_write(storage: Storage, *, rank: int, nbytes: int = 8 << 20) -> tuple[int, float]:
+    """Write, commit and delete ``nbytes`` of incompressible data; return (bytes, seconds).
+
+    The object goes through the same :class:`~trainer_sdk.storage.base.Writer` path as a shard
+    (temp name, fsync, rename; or a multipart upload), so it measures what a save would see.
+    """
+    chunk = os.urandom(min(nbytes, 1 << 20))
+    path = f"{PROBE_PREFIX}/rank-{rank:05d}.bin"
+    start = time.perf_counter()
+    writer = storage.open_writer(path, size_hint=nbytes)
+    try:
+        left = nbytes
+        while left > 0:
+            piece = chunk[: min(left, len(chunk))]
+            writer.write(piece)
+            left -= len(piece)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - start
+    storage.delete(path)
+    return nbytes, seconds

@@ -1,0 +1,226 @@
+"""Asynchronous saves: copy the state into reusable host buffers, write it in the background.
+
+Training should pay only for a memory copy. :class:`HostBuffers` holds one host copy of every
+tensor this rank writes, allocated on the first save and reused by every later one (pinned
+when the source is on a GPU, so the device-to-host copies run as DMA on a side stream).
+Once the copy is done the caller may change its tensors freely; the background thread writes,
+hashes and commits from the buffers.
+
+Invariants, and why:
+
+* **At most one save in flight.** A new save first waits for the previous one (its buffers are
+  being read). So memory is bounded by exactly one staged copy of this rank's share of the
+  state, plus the writer's small chunk buffers.
+* **Collectives of a background save run on their own gloo process group**, created once by
+  every rank at start-up. Running them on the training group from a second thread would
+  interleave with the training collectives in a different order on different ranks, which
+  deadlocks NCCL and corrupts gloo pairings.
+* **Background failures are never lost.** The handle keeps the exception; the
+  ``Checkpointer`` raises it at the next ``step()`` or ``close()``, and
+  :meth:`AsyncSaveHandle.wait` raises it to direct callers.
+
+Who calls what: the ``Checkpointer`` (or :func:`async_save`) calls :meth:`AsyncSaver.save` on
+every rank at the same step; it returns after staging. The worker thread then calls
+``trainer_sdk.api.write_rank`` and ``trainer_sdk.api.commit`` (rank 0 writes the manifest last).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from trainer_sdk.errors import CheckpointError
+
+__all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers"]
+
+log = logging.getLogger("trainer_sdk.staging")
+
+T = TypeVar("T")
+
+
+class HostBuffers:
+    """One reusable host copy of a set of named tensors.
+
+    Buffers are keyed by name and (re)allocated only when a name is new or its shape or dtype
+    changed; in a training loop that happens on the first save only.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
+        self.allocations = 0
+        """How many buffers were ever allocated (tests check reuse with it)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the buffers; return the buffers, under the same names.
+
+        When this returns, every copy has completed: the sources may be modified at once.
+        """
+        # Buffers of names that left the state would pin memory for nothing.
+        for gone in set(self._bufs) - set(tensors):
+            del self._bufs[gone]
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, src in tensors.items():
+            if not isinstance(src, torch.Tensor):
+                raise CheckpointError(
+                    f"staging {name!r}: expected a tensor, got {type(src).__name__}; "
+                    "only tensors are staged (JSON values are copied as they are)"
+                )
+            buf = self._bufs.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(
+                    src.shape, dtype=src.dtype, device="cpu", pin_memory=_can_pin(src)
+                )
+                self._bufs[name] = buf
+                self.allocations += 1
+            pairs.append((buf, src))
+        self._copy(pairs)
+        return {name: self._bufs[name] for name in tensors}
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        events = []
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            if src.device.type == "cuda":
+                by_device.setdefault(src.device, []).append((dst, src))
+            else:
+                host.append((dst, src))
+        for device, group in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                self._streams[device] = stream
+            # The side stream must see every kernel already queued on the training stream
+            # that writes these tensors; then the copies run as DMA into pinned memory.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in group:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+            events.append(event)
+        # Host-to-host copies overlap with the device copies above.
+        for dst, src in host:
+            dst.copy_(src)
+        # Wait for the DMA before returning: after this the caller may overwrite the sources
+        # (and the caching allocator may reuse their memory) without touching the copy.
+        for event in events:
+            event.synchronize()
+
+
+def _can_pin(src: torch.Tensor) -> bool:
+    return src.device.type == "cuda" and torch.cuda.is_available()
+
+
+@dataclass(kw_only=True)
+class AsyncSaveHandle(Generic[T]):
+    """A save running in the background. Returned by :func:`async_save` and
+    ``Checkpointer.last_save``."""
+
+    step: int
+    """The step being saved."""
+    staged_bytes: int
+    """Bytes this rank staged (and is writing)."""
+    stage_seconds: float
+    """How long staging blocked the caller."""
+    _future: Future[T] = field(repr=False)
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the save has committed and return its result; raise its error if it
+        failed, or ``TimeoutError`` if ``timeout`` seconds pass first."""
+        return self._future.result(timeout)
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished, failed save; ``None`` while running or after success."""
+        if not self._future.done():
+            return None
+        return self._future.exception()
+
+
+class AsyncSaver:
+    """Stages on the caller's thread, writes and commits on one background thread.
+
+    Build it on every rank at the same point (it creates a process group, collectively, when
+    ``torch.distributed`` is initialised). ``timeout`` bounds every collective of the
+    background group.
+    """
+
+    def __init__(self, *, timeout: timedelta = timedelta(minutes=10)) -> None:
+        self.buffers = HostBuffers()
+        self.group: Any | None = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Created now, by every rank in the same order; used only by the worker thread.
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-ckpt")
+        self._lock = threading.Lock()
+        self._inflight: AsyncSaveHandle[Any] | None = None
+        self._closed = False
+
+    @property
+    def in_flight(self) -> AsyncSaveHandle[Any] | None:
+        """The current or last save's handle."""
+        return self._inflight
+
+    def submit(
+        self,
+        *,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        json_tree: Any,
+        work: Callable[[dict[str, torch.Tensor], Any], T],
+    ) -> AsyncSaveHandle[T]:
+        """Stage ``tensors`` (and a deep copy of ``json_tree``), then run ``work`` on them in the
+        background. Waits for the previous save first and raises its error, if any."""
+        if self._closed:
+            raise CheckpointError("this saver is closed: create a new one to save again")
+        self.wait_previous()
+        start = time.perf_counter()
+        staged = self.buffers.stage(tensors)
+        tree = copy.deepcopy(json_tree)
+        stage_s = time.perf_counter() - start
+        nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+        future = self._pool.submit(work, staged, tree)
+        handle: AsyncSaveHandle[T] = AsyncSaveHandle(
+            step=step, staged_bytes=nbytes, stage_seconds=stage_s, _future=future
+        )
+        with self._lock:
+            self._inflight = handle
+        return handle
+
+    def wait_previous(self) -> None:
+        """Wait for the save in flight, if any, and raise its error (only once)."""
+        with self._lock:
+            handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+    def close(self) -> None:
+        """Drain (raising a failure of the last save) and stop the worker thread."""
+        if self._closed:
+            return
+        try:
+            self.wait_previous()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
