@@ -1,0 +1,102 @@
+"""The SDK's errors: one base class, so callers can catch everything Baton raises at once.
+
+The split that matters to a caller is *what to do next*:
+
+* :class:`CheckpointError` and its subclasses: this checkpoint (or this save) is unusable.
+  :class:`CorruptCheckpointError` and :class:`IncompleteCheckpointError` mean "fall back to an
+  older step"; :class:`ManifestError` means the manifest is malformed or hostile and nothing
+  it names was read.
+* :class:`CollectiveTimeoutError` and :class:`RankFailedError`: a multi-rank save could not be
+  agreed on. Every rank raises the same error, naming the rank(s) that failed and why. No
+  manifest was written, so the previous step is still the newest complete one.
+* :class:`StorageError`: the storage backend failed for good (after its own retries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "BatonError",
+    "CheckpointError",
+    "CollectiveTimeoutError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "ManifestError",
+    "RankFailedError",
+    "StorageError",
+]
+
+
+class BatonError(Exception):
+    """Base class of every error the SDK raises on purpose."""
+
+
+class StorageError(BatonError):
+    """The storage backend failed for good (retries, if any, are exhausted)."""
+
+
+class CheckpointError(BatonError):
+    """A checkpoint could not be saved or loaded. The message says why and what to do."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest (or a per-rank JSON file or a shard header) is malformed or unsafe.
+
+    Raised before anything the manifest names is read, so a hostile manifest can never make
+    the SDK read outside the checkpoint.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file's bytes do not match the manifest (checksum or size): ``path`` names the file."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The step directory has no valid manifest: the save never committed (for readers it does
+    not exist). Load an older step, or ``cleanup_incomplete`` to remove it."""
+
+
+class CollectiveTimeoutError(CheckpointError):
+    """A collective in the save path did not finish in time; ``ranks`` are the ones missing
+    (empty when the local rank cannot tell which)."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class RankFailedError(CheckpointError):
+    """One or more ranks failed during a multi-rank save.
+
+    ``rank`` is the first failing rank and ``cause`` its error message; ``failures`` maps every
+    failing rank to its message. Every rank of the save raises this same error.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        cause: str,
+        failures: Mapping[int, str] | None = None,
+        what: str = "save",
+    ) -> None:
+        merged = dict(failures or {})
+        merged.setdefault(rank, cause)
+        ranks = sorted(merged)
+        self.failures = {r: merged[r] for r in ranks}
+        self.rank = rank
+        self.cause = cause
+        detail = "; ".join(f"rank {r}: {merged[r]}" for r in ranks)
+        super().__init__(
+            f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}. No manifest "
+            "was written; the previous complete step is still the newest."
+        )

@@ -1,0 +1,570 @@
+"""Checkpoint format v1: names, the manifest schema, and the validation that keeps reads inside.
+
+Torch-free on purpose: the CLI and external tools can read and check a checkpoint without
+torch. Everything a manifest (or a shard header) says is validated here before any byte it
+names is read: file names must be plain names matching :data:`FILE_RE` (no ``..``, no ``/``,
+no absolute paths), sizes and offsets must be consistent, and JSON and headers are bounded.
+A manifest that fails any check raises :class:`~trainer_sdk.errors.ManifestError`.
+
+Layout (see ``docs/format.md``)::
+
+    <uri>/step-000000001200/rank-00000-of-00004.safetensors   tensors this rank wrote
+    <uri>/step-000000001200/rank-00000-of-00004.json          this rank's JSON tree
+    <uri>/step-000000001200/manifest.json                     written last by rank 0: the commit
+    <uri>/latest                                              {"step": 1200}, a hint
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from trainer_sdk.errors import ManifestError
+
+__all__ = [
+    "BLOCK_SIZE",
+    "DTYPE_SIZES",
+    "FILE_RE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LATEST",
+    "MANIFEST",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_BYTES",
+    "STEP_DIR_RE",
+    "FileEntry",
+    "Kind",
+    "Manifest",
+    "Piece",
+    "SafetensorsHeader",
+    "TensorEntry",
+    "block_count",
+    "check_header_matches",
+    "check_name",
+    "file_path",
+    "header_length",
+    "json_name",
+    "parse_latest",
+    "parse_safetensors_header",
+    "parse_step_dir",
+    "shard_name",
+    "step_dir",
+]
+
+FORMAT_NAME: Final = "baton-checkpoint"
+FORMAT_VERSION: Final = 1
+MANIFEST: Final = "manifest.json"
+LATEST: Final = "latest"
+MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
+"""A safetensors header larger than this is refused (safetensors itself caps it at 100 MB)."""
+MAX_JSON_BYTES: Final = 256 * 1024 * 1024
+"""Manifests and per-rank JSON files larger than this are refused before they are read."""
+BLOCK_SIZE: Final = 8 * 1024 * 1024
+"""Default checksum block (bytes): every piece has a crc32 per block, so a ranged read (a
+resharded load) can verify exactly the blocks it touches, with at most two blocks of scratch."""
+
+STEP_DIR_RE: Final = re.compile(r"step-(\d{12})")
+FILE_RE: Final = re.compile(r"rank-(\d{5})-of-(\d{5})\.(safetensors|json)")
+_SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_MAX_KEY_LEN: Final = 4096
+_MAX_DIMS: Final = 64
+
+Kind = Literal["replicated", "sharded", "rank_local"]
+_KINDS: Final = ("replicated", "sharded", "rank_local")
+
+DTYPE_SIZES: Final[Mapping[str, int]] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+"""safetensors dtype codes and their item sizes in bytes."""
+
+
+def step_dir(step: int) -> str:
+    """``step-000000001200`` for step 1200."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
+        raise ValueError(f"step must be an int in [0, 10**12), got {step!r}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a step directory."""
+    m = STEP_DIR_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def json_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.json"
+
+
+def file_path(step: int, name: str) -> str:
+    """Storage key of a file inside a step directory; ``name`` is checked first."""
+    return f"{step_dir(step)}/{check_name(name)}"
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a plain file name a manifest may refer to, else ManifestError.
+
+    The regex admits only ``rank-NNNNN-of-NNNNN.(safetensors|json)``: no separators, no
+    ``..``, nothing absolute, no NUL bytes.
+    """
+    if not isinstance(name, str) or not FILE_RE.fullmatch(name):
+        raise ManifestError(
+            f"file name {name!r} is not a plain checkpoint file name "
+            "(rank-NNNNN-of-NNNNN.safetensors|json); refusing to read it"
+        )
+    return name
+
+
+def block_count(nbytes: int, block_size: int) -> int:
+    """How many checksum blocks cover ``nbytes`` (0 for an empty piece)."""
+    return -(-nbytes // block_size)
+
+
+def parse_latest(data: bytes) -> int | None:
+    """The step in a ``latest`` file, or None if it is unreadable (it is only a hint)."""
+    try:
+        obj = json.loads(data[:4096])
+    except ValueError:
+        return None
+    step = obj.get("step") if isinstance(obj, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**12:
+        return step
+    return None
+
+
+# --------------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileEntry:
+    """One file of a step, as committed."""
+
+    size: int
+    """Size in bytes."""
+    sha256: str
+    """Hex sha256 of the whole file, computed while it was written."""
+    data_start: int | None = None
+    """For shards: offset of the safetensors data section (8 + header length)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "sha256": self.sha256}
+        if self.data_start is not None:
+            out["data_start"] = self.data_start
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """A box of a tensor stored contiguously (row-major) in one shard file."""
+
+    file: str
+    """The shard file (a plain name in the step directory)."""
+    name: str
+    """The tensor's name inside that safetensors file."""
+    dtype: str
+    """safetensors dtype code; equal to the tensor's except for rank-local tensors."""
+    offsets: tuple[int, ...]
+    """Where the box starts in the global tensor (all zeros for whole tensors)."""
+    shape: tuple[int, ...]
+    """The box's shape."""
+    begin: int
+    """Absolute byte offset of the piece in the file."""
+    end: int
+    """Absolute end offset (exclusive)."""
+    crc32: tuple[int, ...]
+    """crc32 of each ``block_size`` block of the piece's bytes, in order."""
+    rank: int | None = None
+    """For rank-local tensors: the rank the value belongs to."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "file": self.file,
+            "name": self.name,
+            "dtype": self.dtype,
+            "offsets": list(self.offsets),
+            "shape": list(self.shape),
+            "begin": self.begin,
+            "end": self.end,
+            "crc32": list(self.crc32),
+        }
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorEntry:
+    """A tensor of the state: its kind, dtype, global shape and the pieces that tile it."""
+
+    kind: Kind
+    """``replicated`` (same on every rank, written once), ``sharded`` (DTensor: each owner
+    wrote its shard) or ``rank_local`` (one whole value per rank; ``shape`` is rank 0's)."""
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    """The commit record of one step. Written last, by rank 0."""
+
+    step: int
+    world_size: int
+    trigger: str
+    time: str
+    """RFC 3339 UTC time of the commit."""
+    torch_version: str
+    baton_version: str
+    block_size: int
+    files: Mapping[str, FileEntry]
+    tensors: Mapping[str, TensorEntry]
+    version: int = FORMAT_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form JSON for tools (never interpreted by the loader)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json_bytes(self) -> bytes:
+        obj = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "trigger": self.trigger,
+            "time": self.time,
+            "torch_version": self.torch_version,
+            "baton_version": self.baton_version,
+            "block_size": self.block_size,
+            "files": {n: f.to_json() for n, f in self.files.items()},
+            "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+            "extra": dict(self.extra),
+        }
+        return json.dumps(obj, indent=1, allow_nan=False).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, *, step: int | None = None, path: str = MANIFEST) -> Manifest:
+        """Parse and fully validate a manifest; any inconsistency raises ManifestError."""
+        if len(data) > MAX_JSON_BYTES:
+            raise ManifestError(f"manifest is {len(data)} bytes, over the limit", path=path)
+        try:
+            obj = json.loads(data)
+        except ValueError as e:
+            raise ManifestError(f"not valid JSON ({e})", path=path) from e
+        try:
+            return _parse_manifest(obj, step)
+        except ManifestError as e:
+            raise ManifestError(str(e), path=path) from None
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise ManifestError(f"malformed manifest ({type(e).__name__}: {e})", path=path) from e
+
+
+def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int = 2**62) -> int:
+    v = obj[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ManifestError(f"{key!r} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(obj: Mapping[str, Any], key: str, *, max_len: int = 256) -> str:
+    v = obj[key]
+    if not isinstance(v, str) or len(v) > max_len:
+        raise ManifestError(f"{key!r} must be a string of at most {max_len} chars")
+    return v
+
+
+def _dims(v: object, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_DIMS:
+        raise ManifestError(f"{what} must be a list of at most {_MAX_DIMS} ints")
+    for d in v:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 2**62:
+            raise ManifestError(f"{what} has an invalid entry {d!r}")
+    return tuple(v)
+
+
+def _parse_manifest(obj: Any, step: int | None) -> Manifest:
+    if not isinstance(obj, dict):
+        raise ManifestError("manifest must be a JSON object")
+    if obj.get("format") != FORMAT_NAME:
+        raise ManifestError(f"not a {FORMAT_NAME} manifest (format={obj.get('format')!r})")
+    version = _int(obj, "version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"format version {version} is not supported by this Baton (reads v{FORMAT_VERSION}); "
+            "upgrade trainer_sdk"
+        )
+    mstep = _int(obj, "step", hi=10**12 - 1)
+    if step is not None and mstep != step:
+        raise ManifestError(f"manifest says step {mstep} but lives in {step_dir(step)}")
+    world = _int(obj, "world_size", lo=1, hi=99999)
+    block_size = _int(obj, "block_size", lo=4096, hi=2**40)
+    files_obj = obj["files"]
+    if not isinstance(files_obj, dict):
+        raise ManifestError("'files' must be an object")
+    files: dict[str, FileEntry] = {}
+    for name, f in files_obj.items():
+        check_name(name)
+        m = FILE_RE.fullmatch(name)
+        assert m is not None
+        if int(m.group(2)) != world or int(m.group(1)) >= world:
+            raise ManifestError(f"file {name!r} does not belong to a world of size {world}")
+        if not isinstance(f, dict):
+            raise ManifestError(f"files[{name!r}] must be an object")
+        size = _int(f, "size")
+        sha = f["sha256"]
+        if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
+            raise ManifestError(f"files[{name!r}].sha256 must be 64 lowercase hex digits")
+        data_start = None
+        if m.group(3) == "safetensors":
+            data_start = _int(f, "data_start", lo=8, hi=8 + MAX_HEADER_BYTES)
+            if data_start > size:
+                raise ManifestError(f"files[{name!r}].data_start is past the end of the file")
+        elif size > MAX_JSON_BYTES:
+            raise ManifestError(f"files[{name!r}] is {size} bytes, over the JSON limit")
+        files[name] = FileEntry(size=size, sha256=sha, data_start=data_start)
+    for r in range(world):
+        if json_name(r, world) not in files:
+            raise ManifestError(f"rank {r}'s JSON file {json_name(r, world)!r} is missing")
+    tensors_obj = obj["tensors"]
+    if not isinstance(tensors_obj, dict):
+        raise ManifestError("'tensors' must be an object")
+    tensors: dict[str, TensorEntry] = {}
+    for key, t in tensors_obj.items():
+        if not isinstance(key, str) or len(key) > _MAX_KEY_LEN:
+            raise ManifestError(f"tensor key {key!r} is not a string of at most {_MAX_KEY_LEN}")
+        tensors[key] = _parse_tensor(key, t, files, world, block_size)
+    extra = obj.get("extra", {})
+    if not isinstance(extra, dict):
+        raise ManifestError("'extra' must be an object")
+    return Manifest(
+        version=version,
+        step=mstep,
+        world_size=world,
+        trigger=_str(obj, "trigger"),
+        time=_str(obj, "time"),
+        torch_version=_str(obj, "torch_version"),
+        baton_version=_str(obj, "baton_version"),
+        block_size=block_size,
+        files=files,
+        tensors=tensors,
+        extra=extra,
+    )
+
+
+def _parse_tensor(
+    key: str, t: Any, files: Mapping[str, FileEntry], world: int, block_size: int
+) -> TensorEntry:
+    if not isinstance(t, dict):
+        raise ManifestError(f"tensor {key!r} must be an object")
+    kind = t["kind"]
+    if kind not in _KINDS:
+        raise ManifestError(f"tensor {key!r} has unknown kind {kind!r}")
+    dtype = t["dtype"]
+    if dtype not in DTYPE_SIZES:
+        raise ManifestError(f"tensor {key!r} has unknown dtype {dtype!r}")
+    shape = _dims(t["shape"], f"tensor {key!r} shape")
+    pieces_obj = t["pieces"]
+    if not isinstance(pieces_obj, list):
+        raise ManifestError(f"tensor {key!r}: 'pieces' must be a list")
+    pieces: list[Piece] = []
+    seen_ranks: set[int] = set()
+    for i, p in enumerate(pieces_obj):
+        what = f"tensor {key!r} piece {i}"
+        if not isinstance(p, dict):
+            raise ManifestError(f"{what} must be an object")
+        fname = check_name(p["file"])
+        fentry = files.get(fname)
+        if fentry is None or fentry.data_start is None:
+            raise ManifestError(f"{what} names {fname!r}, which is not a shard of this step")
+        pdtype = p["dtype"]
+        if pdtype not in DTYPE_SIZES or (kind != "rank_local" and pdtype != dtype):
+            raise ManifestError(f"{what} has dtype {pdtype!r}, the tensor has {dtype!r}")
+        offsets = _dims(p["offsets"], f"{what} offsets")
+        pshape = _dims(p["shape"], f"{what} shape")
+        begin = _int(p, "begin")
+        end = _int(p, "end")
+        if not fentry.data_start <= begin <= end <= fentry.size:
+            raise ManifestError(
+                f"{what} bytes [{begin}, {end}) lie outside the data of {fname!r} "
+                f"[{fentry.data_start}, {fentry.size})"
+            )
+        if (end - begin) != math.prod(pshape) * DTYPE_SIZES[pdtype]:
+            raise ManifestError(f"{what}: byte length does not match its shape and dtype")
+        crcs = p["crc32"]
+        if (
+            not isinstance(crcs, list)
+            or len(crcs) != block_count(end - begin, block_size)
+            or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs)
+        ):
+            raise ManifestError(f"{what}: crc32 must list one 32-bit int per block")
+        name = p["name"]
+        if not isinstance(name, str) or len(name) > _MAX_KEY_LEN + 64:
+            raise ManifestError(f"{what}: bad name")
+        prank: int | None = None
+        if kind == "rank_local":
+            prank = _int(p, "rank", hi=world - 1)
+            if prank in seen_ranks:
+                raise ManifestError(f"{what}: rank {prank} has two values")
+            seen_ranks.add(prank)
+            if any(offsets):
+                raise ManifestError(f"{what}: rank-local values have zero offsets")
+        else:
+            if len(offsets) != len(shape) or len(pshape) != len(shape):
+                raise ManifestError(f"{what}: offsets/shape rank differs from the tensor's")
+            if any(o + s > g for o, s, g in zip(offsets, pshape, shape, strict=True)):
+                raise ManifestError(f"{what}: box lies outside the global shape {list(shape)}")
+        pieces.append(
+            Piece(
+                file=fname,
+                name=name,
+                dtype=pdtype,
+                offsets=offsets,
+                shape=pshape,
+                begin=begin,
+                end=end,
+                crc32=tuple(crcs),
+                rank=prank,
+            )
+        )
+    if kind != "rank_local":
+        _check_tiling(key, shape, pieces)
+    return TensorEntry(kind=kind, dtype=dtype, shape=shape, pieces=tuple(pieces))
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], pieces: list[Piece]) -> None:
+    """Pieces must not overlap and must cover the tensor exactly (so every read is defined)."""
+    nonempty = [p for p in pieces if math.prod(p.shape) > 0]
+    total = sum(math.prod(p.shape) for p in nonempty)
+    if total != math.prod(shape):
+        raise ManifestError(
+            f"tensor {key!r}: pieces hold {total} elements, the shape needs {math.prod(shape)}"
+        )
+    if len(nonempty) <= 4096:  # pairwise check; larger counts rely on the volume check
+        for i, a in enumerate(nonempty):
+            for b in nonempty[i + 1 :]:
+                if all(
+                    ao < bo + bs and bo < ao + as_
+                    for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
+                ):
+                    raise ManifestError(f"tensor {key!r}: pieces overlap")
+
+
+# ------------------------------------------------------------------------ safetensors header
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SafetensorsHeader:
+    """A parsed, bounds-checked safetensors header."""
+
+    data_start: int
+    """8 + header length: where the data section starts in the file."""
+    tensors: Mapping[str, tuple[str, tuple[int, ...], int, int]]
+    """name -> (dtype, shape, begin, end), with absolute file offsets."""
+    metadata: Mapping[str, str]
+
+
+def parse_safetensors_header(head: bytes, file_size: int, *, path: str) -> SafetensorsHeader:
+    """Parse the header at the start of a safetensors file (``head`` = its first bytes).
+
+    ``head`` must hold at least ``8 + header length`` bytes; read the 8-byte length first and
+    check it with :func:`header_length`.
+    """
+    n = header_length(head[:8], file_size, path=path)
+    if len(head) < 8 + n:
+        raise ManifestError("header truncated", path=path)
+    try:
+        obj = json.loads(head[8 : 8 + n])
+    except ValueError as e:
+        raise ManifestError(f"header is not valid JSON ({e})", path=path) from e
+    if not isinstance(obj, dict):
+        raise ManifestError("header must be a JSON object", path=path)
+    meta = obj.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ManifestError("__metadata__ must map strings to strings", path=path)
+    data_start = 8 + n
+    tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, info in obj.items():
+        if not isinstance(info, dict):
+            raise ManifestError(f"header entry {name!r} must be an object", path=path)
+        dtype = info.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise ManifestError(f"header entry {name!r} has unknown dtype {dtype!r}", path=path)
+        shape = _dims(info.get("shape"), f"header entry {name!r} shape")
+        offs = info.get("data_offsets")
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
+            raise ManifestError(f"header entry {name!r}: bad data_offsets", path=path)
+        begin, end = data_start + offs[0], data_start + offs[1]
+        if not data_start <= begin <= end <= file_size:
+            raise ManifestError(
+                f"header entry {name!r}: data [{begin}, {end}) is outside the file "
+                f"(size {file_size})",
+                path=path,
+            )
+        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise ManifestError(f"header entry {name!r}: size does not match shape", path=path)
+        tensors[name] = (dtype, shape, begin, end)
+    return SafetensorsHeader(data_start=data_start, tensors=tensors, metadata=meta)
+
+
+def header_length(prefix: bytes, file_size: int, *, path: str) -> int:
+    """Validate the 8-byte little-endian header length of a safetensors file."""
+    if len(prefix) < 8 or file_size < 8:
+        raise ManifestError("file is shorter than a safetensors header", path=path)
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise ManifestError(f"header of {n} bytes is over the {MAX_HEADER_BYTES} limit", path=path)
+    if 8 + n > file_size:
+        raise ManifestError(f"header of {n} bytes runs past the end of the file", path=path)
+    return int(n)
+
+
+def check_header_matches(
+    header: SafetensorsHeader, pieces: Iterable[Piece], entry: FileEntry, *, path: str
+) -> None:
+    """Check that the pieces the manifest places in a file agree with the file's own header."""
+    if header.data_start != entry.data_start:
+        raise ManifestError("header length differs from the manifest's data_start", path=path)
+    for p in pieces:
+        got = header.tensors.get(p.name)
+        if got is None or got != (p.dtype, p.shape, p.begin, p.end):
+            raise ManifestError(f"piece {p.name!r} differs from the file's header", path=path)

@@ -1,0 +1,261 @@
+"""Checkpoints on a local (or network-mounted POSIX) filesystem.
+
+Durability: every object is written to a temp name in its final directory, fsync'd, renamed
+over the final name, and the directory fsync'd, so a crash leaves either the old object or the
+new one, never a half-written or zero-filled file under a final name. Newly created
+directories are fsync'd into their parent too.
+
+Safety: paths are relative keys checked component by component; no component inside the root
+may be a symbolic link (checked with ``lstat`` and opened with ``O_NOFOLLOW``), so a
+checkpoint directory cannot redirect reads or writes outside itself.
+
+Note: ``rename`` is atomic on local filesystems; some network filesystems do not promise it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import stat
+from typing import Final
+from urllib.parse import unquote, urlparse
+
+from trainer_sdk.errors import ManifestError, StorageError
+
+__all__ = ["LocalStorage", "LocalWriter"]
+
+_TMP_MARK: Final = ".tmp-"
+_O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC: Final = getattr(os, "O_CLOEXEC", 0)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+class LocalWriter:
+    """Streams one file to a temp name; :meth:`commit` makes it durable and visible."""
+
+    def __init__(self, final: str, directory: str) -> None:
+        self._final = final
+        self._dir = directory
+        base = os.path.basename(final)
+        self._tmp = os.path.join(
+            directory, f".{base}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        self._fd: int | None = os.open(
+            self._tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+            0o644,
+        )
+
+    @property
+    def temp_path(self) -> str:
+        """The temp file being written (for tests and diagnostics)."""
+        return self._tmp
+
+    def write(self, data: memoryview | bytes) -> None:
+        if self._fd is None:
+            raise StorageError(f"{self._final}: write after commit or abort")
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def commit(self) -> None:
+        if self._fd is None:
+            raise StorageError(f"{self._final}: commit after commit or abort")
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self._tmp, self._final)
+        _fsync_dir(self._dir)
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+class LocalStorage:
+    """A checkpoint root on a POSIX filesystem (``/abs/path``, ``rel/path`` or ``file://``)."""
+
+    def __init__(self, root: str) -> None:
+        self._root = os.path.abspath(root)
+
+    @classmethod
+    def from_uri(cls, uri: str) -> LocalStorage:
+        if uri.startswith("file://"):
+            parsed = urlparse(uri)
+            if parsed.netloc not in ("", "localhost"):
+                raise StorageError(f"{uri}: file:// URIs must be local (file:///abs/path)")
+            return cls(unquote(parsed.path))
+        if "://" in uri:
+            raise StorageError(f"{uri}: unsupported scheme; use a path, file:// or s3://")
+        return cls(uri)
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self._root}"
+
+    # ------------------------------------------------------------------ paths and safety
+
+    def _path(self, path: str, *, must_exist_parents: bool = False) -> str:
+        """Absolute path of a key, refusing anything that could leave the root."""
+        parts = path.split("/") if path else []
+        for part in parts:
+            if part in ("", ".", "..") or "\\" in part or "\x00" in part:
+                raise ManifestError(f"unsafe storage key {path!r}", path=path)
+        current = self._root
+        for part in parts:
+            current = os.path.join(current, part)
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                if must_exist_parents:
+                    raise
+                break
+            if stat.S_ISLNK(st.st_mode):
+                raise ManifestError(
+                    "is a symbolic link; Baton never follows links inside a checkpoint "
+                    "(replace it with the real file or directory)",
+                    path=path,
+                )
+        return os.path.join(self._root, *parts)
+
+    def _makedirs(self, directory: str) -> None:
+        """Create ``directory`` (and parents) and fsync each new entry into its parent."""
+        missing: list[str] = []
+        d = directory
+        while not os.path.isdir(d):
+            missing.append(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            _fsync_dir(os.path.dirname(d))
+
+    def _open_read(self, path: str) -> int:
+        full = self._path(path)
+        try:
+            return os.open(full, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ManifestError("is a symbolic link; refusing to follow it", path=path) from e
+            raise
+
+    # ------------------------------------------------------------------ protocol
+
+    def open_writer(self, path: str, *, size_hint: int | None = None) -> LocalWriter:
+        full = self._path(path)
+        directory = os.path.dirname(full)
+        self._makedirs(directory)
+        return LocalWriter(full, directory)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        w = self.open_writer(path, size_hint=len(data))
+        try:
+            w.write(data)
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
+
+    def read_bytes(self, path: str) -> bytes:
+        fd = self._open_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            out = bytearray(size)
+            self._pread_into(fd, 0, memoryview(out), path)
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _pread_into(fd: int, offset: int, out: memoryview, path: str) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        pos = offset
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise EOFError(f"{path}: ends before byte {pos + len(view)}")
+            view = view[n:]
+            pos += n
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        fd = self._open_read(path)
+        try:
+            self._pread_into(fd, offset, out, path)
+        finally:
+            os.close(fd)
+
+    def size(self, path: str) -> int:
+        st = os.lstat(self._path(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError("is not a regular file", path=path)
+        return st.st_size
+
+    def exists(self, path: str) -> bool:
+        try:
+            st = os.lstat(self._path(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            names = os.listdir(self._path(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if not _is_temp(n))
+
+    def list_temp(self, path: str) -> list[str]:
+        """In-progress (or abandoned) temp files directly under ``path``."""
+        try:
+            names = os.listdir(self._path(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if _is_temp(n))
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(path))
+
+    def delete_tree(self, path: str) -> None:
+        full = self._path(path)
+        if full == self._root:
+            raise StorageError("refusing to delete the checkpoint root itself")
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(full)
+        else:
+            os.unlink(full)
+        _fsync_dir(os.path.dirname(full))
