@@ -365,7 +365,10 @@ class ControlChannel:
 
         Returns the request as it now stands and whether it was merged into an existing one.
         """
-        incoming = Request(deadline=deadline, reason=reason, source=source, created=now or utcnow())
+        # Round-trip through JSON so that the caller gets exactly what a reader will see
+        # (times at millisecond precision).
+        fresh = Request(deadline=deadline, reason=reason, source=source, created=now or utcnow())
+        incoming = Request.from_json(fresh.to_json())
         with self._locked():
             pending = self._read_request_unlocked()
             if pending is None:

@@ -1,0 +1,189 @@
+"""The sidecar's settings, from flags and the environment (flags win), checked once at start.
+
+The names are contracts (``docs/contracts.md``): the operator sets the environment, tests set
+the metadata endpoints to local fake servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from baton_sidecar._errors import ConfigError
+
+__all__ = [
+    "DEFAULT_AWS_ENDPOINT",
+    "DEFAULT_AZURE_ENDPOINT",
+    "DEFAULT_GCE_ENDPOINT",
+    "DEFAULT_PORT",
+    "DEFAULT_TOKEN_FILE",
+    "Cloud",
+    "SidecarConfig",
+    "parse_config",
+]
+
+DEFAULT_PORT: Final = 9440
+DEFAULT_TOKEN_FILE: Final = "/var/run/baton/token/token"  # noqa: S105 - a path
+DEFAULT_CONTROL_DIR: Final = "/var/run/baton/control"
+DEFAULT_AWS_ENDPOINT: Final = "http://169.254.169.254"
+DEFAULT_GCE_ENDPOINT: Final = "http://metadata.google.internal"
+DEFAULT_AZURE_ENDPOINT: Final = "http://169.254.169.254"
+
+
+class Cloud(enum.StrEnum):
+    """Which cloud's preemption notices to watch."""
+
+    AWS = "aws"
+    GCE = "gce"
+    AZURE = "azure"
+    AUTO = "auto"
+    """Probe each metadata endpoint briefly at start and watch the one that answers."""
+    NONE = "none"
+    """Watch no cloud: notices come only from the operator."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class SidecarConfig:
+    """Everything the sidecar needs; see ``docs/sidecar.md`` for the matching flags."""
+
+    control_dir: Path
+    """The directory shared with the trainer (``$BATON_CONTROL_DIR``)."""
+    token_file: Path = Path(DEFAULT_TOKEN_FILE)
+    """The bearer token (the per-job Secret). Re-read when it changes, since Secrets rotate."""
+    host: str = "0.0.0.0"  # noqa: S104 - the pod IP is preferred; this is the documented fallback
+    """Address to bind: the pod IP (``$POD_IP``), so the API is not served on other interfaces."""
+    port: int = DEFAULT_PORT
+    """TCP port of the API, ``/metrics`` and ``/healthz``."""
+    cloud: Cloud = Cloud.AUTO
+    """Which cloud notices to watch."""
+    aws_endpoint: str = DEFAULT_AWS_ENDPOINT
+    """AWS instance metadata service (IMDSv2) base URL."""
+    gce_endpoint: str = DEFAULT_GCE_ENDPOINT
+    """GCE metadata server base URL."""
+    azure_endpoint: str = DEFAULT_AZURE_ENDPOINT
+    """Azure instance metadata service base URL."""
+    silent_after: float = 60.0
+    """Seconds without a trainer heartbeat before the trainer counts as ``silent``. The SDK beats
+    at step boundaries, so this must exceed the longest step."""
+    absent_after: float = 300.0
+    """Seconds without a heartbeat before the trainer counts as ``absent`` (gone)."""
+    status_interval: float = 0.5
+    """Seconds between looks at ``status.json`` (one ``stat`` each) for metrics and Azure acks."""
+    aws_interval: float = 5.0
+    """Seconds between AWS spot notice polls; AWS suggests every 5 s of its 120 s notice."""
+    azure_interval: float = 1.0
+    """Seconds between Azure Scheduled Events polls; a Preempt gives as little as 30 s."""
+    gce_wait_seconds: int = 60
+    """How long one GCE ``wait_for_change`` long poll may hang before it is renewed."""
+    probe_timeout: float = 1.0
+    """Seconds one metadata probe may take during auto-detection; link-local answers are fast."""
+    request_timeout: float = 5.0
+    """Seconds one metadata request (not a long poll) may take before it is retried."""
+    backoff_max: float = 30.0
+    """The longest wait between retries of a failing metadata endpoint."""
+    max_body_bytes: int = 16 * 1024
+    """Largest accepted request body; a checkpoint request is a few hundred bytes."""
+    log_level: str = "INFO"
+    """Python logging level name for the sidecar's own log."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port {self.port} is out of range: use 1-65535 (default 9440)")
+        if self.silent_after <= 0 or self.absent_after < self.silent_after:
+            raise ConfigError(
+                f"silent_after={self.silent_after} and absent_after={self.absent_after}: both "
+                "must be positive and absent_after must be at least silent_after"
+            )
+        for name in ("status_interval", "aws_interval", "azure_interval", "probe_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.gce_wait_seconds < 1:
+            raise ConfigError(f"gce_wait_seconds must be at least 1, got {self.gce_wait_seconds}")
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> SidecarConfig:
+    """Build the config from command-line flags, falling back to the environment."""
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="baton-sidecar",
+        description="Baton's in-pod agent: checkpoint API, cloud notice pollers, metrics.",
+    )
+    parser.add_argument("--host", default=env.get("POD_IP") or "0.0.0.0")  # noqa: S104
+    parser.add_argument(
+        "--port", type=int, default=_int_env(env, "BATON_SIDECAR_PORT", DEFAULT_PORT)
+    )
+    parser.add_argument(
+        "--token-file", default=env.get("BATON_SIDECAR_TOKEN_FILE", DEFAULT_TOKEN_FILE)
+    )
+    parser.add_argument("--control-dir", default=env.get("BATON_CONTROL_DIR", DEFAULT_CONTROL_DIR))
+    parser.add_argument(
+        "--cloud",
+        choices=[c.value for c in Cloud],
+        default=env.get("BATON_CLOUD", Cloud.AUTO.value),
+    )
+    parser.add_argument(
+        "--silent-after",
+        type=float,
+        default=_float_env(env, "BATON_SIDECAR_SILENT_AFTER", 60.0),
+        help="seconds without a trainer heartbeat before it counts as silent",
+    )
+    parser.add_argument(
+        "--absent-after",
+        type=float,
+        default=_float_env(env, "BATON_SIDECAR_ABSENT_AFTER", 300.0),
+        help="seconds without a trainer heartbeat before it counts as absent",
+    )
+    parser.add_argument(
+        "--log-level", default=env.get("BATON_SIDECAR_LOG_LEVEL", "INFO"), help="logging level"
+    )
+    args = parser.parse_args(argv)
+    try:
+        cloud = Cloud(args.cloud)
+    except ValueError as e:
+        raise ConfigError(
+            f"BATON_CLOUD={args.cloud!r} is unknown: use one of {', '.join(c.value for c in Cloud)}"
+        ) from e
+    return SidecarConfig(
+        host=args.host,
+        port=args.port,
+        token_file=Path(args.token_file),
+        control_dir=Path(args.control_dir),
+        cloud=cloud,
+        aws_endpoint=env.get("BATON_AWS_IMDS_ENDPOINT", DEFAULT_AWS_ENDPOINT).rstrip("/"),
+        gce_endpoint=env.get("BATON_GCE_METADATA_ENDPOINT", DEFAULT_GCE_ENDPOINT).rstrip("/"),
+        azure_endpoint=env.get("BATON_AZURE_IMDS_ENDPOINT", DEFAULT_AZURE_ENDPOINT).rstrip("/"),
+        silent_after=args.silent_after,
+        absent_after=args.absent_after,
+        log_level=str(args.log_level).upper(),
+    )
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ConfigError(
+            f"{name}={raw!r} is not an integer: set it to a number like {default}"
+        ) from e
+
+
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ConfigError(
+            f"{name}={raw!r} is not a number: set it to seconds like {default}"
+        ) from e

@@ -1,0 +1,209 @@
+"""The sidecar's state, without HTTP: checkpoint requests in, the SDK's status out.
+
+The HTTP handlers and the cloud pollers both call :meth:`Sidecar.request_checkpoint`; a
+background task (:meth:`Sidecar.watch_status`) follows ``status.json`` so that metrics and the
+Azure acknowledgement see every save that ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Final
+
+from baton_sidecar._config import SidecarConfig
+from baton_sidecar._metrics import SidecarMetrics
+from trainer_sdk.control import (
+    ControlChannel,
+    ControlError,
+    Liveness,
+    Request,
+    State,
+    Status,
+    trainer_liveness,
+    utcnow,
+)
+
+__all__ = ["Sidecar", "StatusListener"]
+
+log = logging.getLogger("baton_sidecar")
+
+StatusListener = Callable[[Status], None]
+"""Called with each status that ends a save (committed, failed, skipped), once per save."""
+
+_ENDED: Final = frozenset({State.COMMITTED, State.FAILED, State.SKIPPED})
+_IN_FLIGHT: Final = frozenset({State.REQUESTED, State.SAVING})
+
+
+class Sidecar:
+    """Request checkpoints through the control channel and follow what the SDK reports."""
+
+    def __init__(self, config: SidecarConfig, *, metrics: SidecarMetrics | None = None) -> None:
+        self.config = config
+        self.channel = ControlChannel(config.control_dir)
+        self.metrics = metrics if metrics is not None else SidecarMetrics()
+        self._listeners: list[StatusListener] = []
+        # One request at a time within this process; the file lock covers the SDK's side.
+        self._request_lock = asyncio.Lock()
+        self._seen_ident: tuple[int, int, int] | None = None
+        self._seen_end: tuple[Any, ...] | None = None
+        self._seen_committed_step: int | None = None
+        self._bad_status: str | None = None
+
+    def add_listener(self, listener: StatusListener) -> None:
+        """Call ``listener`` for every save that ends from now on."""
+        self._listeners.append(listener)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def request_checkpoint(
+        self, *, deadline: datetime | None, reason: str, source: str
+    ) -> tuple[Request, bool]:
+        """Ask the trainer for a checkpoint; returns the request and whether it was merged."""
+        self.metrics.notice(source)
+        async with self._request_lock:
+            request, merged = await asyncio.to_thread(self._request, deadline, reason, source)
+        log.info(
+            "checkpoint request %s from %s (deadline %s, %s): %s",
+            request.id,
+            source,
+            "none" if request.deadline is None else request.deadline.isoformat(),
+            "merged" if merged else "new",
+            reason or "no reason given",
+        )
+        return request, merged
+
+    def _request(self, deadline: datetime | None, reason: str, source: str) -> tuple[Request, bool]:
+        if not self.channel.request_path.exists():
+            # A save for an earlier request may already be running (the SDK removed the file
+            # when it took the request). Queueing another would save twice for one notice, so
+            # the new request joins that save, unless the trainer has stopped beating.
+            status = self._status_or_none()
+            if (
+                status is not None
+                and status.state in _IN_FLIGHT
+                and status.request_id
+                and self.liveness(status) is Liveness.ALIVE
+            ):
+                return (
+                    Request(
+                        id=status.request_id,
+                        deadline=status.deadline,
+                        reason=reason,
+                        source=source,
+                        created=status.updated,
+                    ),
+                    True,
+                )
+        return self.channel.merge_request(deadline=deadline, reason=reason, source=source)
+
+    # ---- status ---------------------------------------------------------------------------
+
+    def liveness(self, status: Status | None) -> Liveness:
+        """How the trainer looks from its heartbeat, with the configured thresholds."""
+        return trainer_liveness(
+            status,
+            silent_after=self.config.silent_after,
+            absent_after=self.config.absent_after,
+        )
+
+    def status_view(self) -> dict[str, Any]:
+        """The body of ``GET /v1/status``: the SDK's status as written, plus the trainer's
+        liveness and the pending request. Raises :class:`ControlError` for a corrupt file."""
+        status = self.channel.read_status()
+        try:
+            pending = self.channel.read_request()
+        except ControlError:
+            pending = None
+        body: dict[str, Any] = (
+            status.to_json()
+            if status is not None
+            else {
+                "state": State.IDLE.value,
+                "request_id": None,
+                "step": None,
+                "uri": None,
+                "seconds": None,
+                "error": None,
+                "trigger": None,
+                "deadline": None,
+                "phases": {},
+                "bytes": None,
+                "last_committed_step": None,
+                "updated": None,
+                "pid": None,
+                "heartbeat": None,
+            }
+        )
+        body["trainer"] = self.liveness(status).value
+        body["heartbeat_age_seconds"] = (
+            None if status is None else round((utcnow() - status.heartbeat).total_seconds(), 3)
+        )
+        body["pending_request"] = None if pending is None else pending.to_json()
+        return body
+
+    def _status_or_none(self) -> Status | None:
+        try:
+            return self.channel.read_status()
+        except ControlError:
+            return None
+
+    async def watch_status(self) -> None:
+        """Follow ``status.json`` forever: feed metrics and listeners once per ended save."""
+        first = True
+        while True:
+            try:
+                self.check_status(first=first)
+                first = False
+            except Exception:
+                # Never let the watcher die: metrics and Azure acks depend on it.
+                log.exception("could not follow the SDK status in %s", self.channel.status_path)
+            await asyncio.sleep(self.config.status_interval)
+
+    def check_status(self, *, first: bool = False) -> None:
+        """Look at ``status.json`` once (one ``stat`` unless it changed)."""
+        try:
+            st = os.stat(self.channel.status_path)
+        except FileNotFoundError:
+            return
+        ident = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if ident == self._seen_ident:
+            return
+        self._seen_ident = ident
+        try:
+            status = self.channel.read_status()
+        except ControlError as e:
+            if str(e) != self._bad_status:
+                log.error("the SDK status cannot be read: %s", e)
+                self._bad_status = str(e)
+            return
+        self._bad_status = None
+        if status is None:
+            return
+        end_key = (status.state, status.request_id, status.step, status.updated)
+        committed_step = status.last_committed_step
+        if first:
+            # A restarted sidecar must not count the save it saw before its restart again.
+            self._seen_end = end_key
+            self._seen_committed_step = committed_step
+            if committed_step is not None:
+                self.metrics.last_committed_step.set(committed_step)
+            return
+        if status.state in _ENDED and end_key != self._seen_end:
+            self._seen_end = end_key
+            self._seen_committed_step = committed_step
+            self.metrics.observe(status)
+            for listener in self._listeners:
+                try:
+                    listener(status)
+                except Exception:
+                    log.exception("a status listener failed on %s", status.state)
+        elif committed_step is not None and committed_step != self._seen_committed_step:
+            # A commit ended between two looks (the next save already started): count it, even
+            # though its durations were overwritten.
+            self._seen_committed_step = committed_step
+            self.metrics.requests_total.labels(result=State.COMMITTED.value).inc()
+            self.metrics.last_committed_step.set(committed_step)

@@ -1,0 +1,104 @@
+"""Run the sidecar: the HTTP server, the status watcher and the cloud pollers, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from datetime import datetime
+
+import aiohttp
+from aiohttp import web
+
+from baton_sidecar._clouds import AzurePoller, detect_clouds, make_pollers
+from baton_sidecar._config import Cloud, SidecarConfig
+from baton_sidecar._core import Sidecar
+from baton_sidecar._server import TokenFile, create_app
+
+__all__ = ["serve"]
+
+log = logging.getLogger("baton_sidecar")
+
+# Auto-detection tries again after these pauses: a metadata endpoint can be slow to answer
+# right after a node boots.
+_DETECT_RETRIES = (2.0, 10.0)
+
+
+async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set or the process gets SIGTERM/SIGINT."""
+    token = TokenFile(config.token_file)  # fails fast, before binding, if it is unusable
+    sidecar = Sidecar(config)
+    config.control_dir.mkdir(parents=True, exist_ok=True)
+    app = create_app(sidecar, token)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    tasks: list[asyncio.Task[None]] = []
+    async with aiohttp.ClientSession() as session:  # trust_env=False: never proxy link-local
+        try:
+            site = web.TCPSite(runner, config.host, config.port)
+            await site.start()
+            log.info(
+                "baton-sidecar listening on %s:%d, control dir %s, cloud %s",
+                config.host,
+                config.port,
+                config.control_dir,
+                config.cloud.value,
+            )
+            tasks.append(asyncio.create_task(sidecar.watch_status(), name="status"))
+            tasks.append(
+                asyncio.create_task(_run_clouds(config, sidecar, session, tasks), name="clouds")
+            )
+            await stop.wait()
+            log.info("stopping")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await runner.cleanup()
+
+
+async def _run_clouds(
+    config: SidecarConfig,
+    sidecar: Sidecar,
+    session: aiohttp.ClientSession,
+    tasks: list[asyncio.Task[None]],
+) -> None:
+    if config.cloud is Cloud.NONE:
+        log.info("cloud notices off (--cloud none): only the operator asks for checkpoints")
+        return
+    if config.cloud is Cloud.AUTO:
+        clouds = await detect_clouds(config, session)
+        for pause in _DETECT_RETRIES:
+            if clouds:
+                break
+            await asyncio.sleep(pause)
+            clouds = await detect_clouds(config, session)
+        if not clouds:
+            log.info(
+                "no cloud metadata endpoint answered; cloud notices off. Set --cloud "
+                "aws|gce|azure to watch one anyway"
+            )
+            return
+        log.info("detected cloud(s): %s", ", ".join(c.value for c in clouds))
+    else:
+        clouds = [config.cloud]
+
+    async def sink(source: str, deadline: datetime | None, reason: str) -> str:
+        request, _ = await sidecar.request_checkpoint(
+            deadline=deadline, reason=reason, source=source
+        )
+        return request.id
+
+    pollers = make_pollers(
+        clouds, config=config, session=session, sink=sink, metrics=sidecar.metrics
+    )
+    for poller in pollers:
+        if isinstance(poller, AzurePoller):
+            sidecar.add_listener(poller.on_status)
+        tasks.append(asyncio.create_task(poller.run(), name=f"poll-{poller.name}"))

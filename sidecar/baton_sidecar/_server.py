@@ -1,0 +1,251 @@
+"""The sidecar's HTTP API: what the operator calls, with bearer-token auth and strict input.
+
+``POST /v1/checkpoint`` and ``GET /v1/status`` need ``Authorization: Bearer <token>``;
+``/healthz`` and ``/metrics`` are open (probes and Prometheus carry no token). Every error is a
+JSON object ``{"error": ...}`` that says what was wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from baton_sidecar._core import Sidecar
+from baton_sidecar._errors import ConfigError
+from trainer_sdk.control import ControlError, parse_rfc3339, utcnow
+
+__all__ = ["TokenFile", "create_app"]
+
+log = logging.getLogger("baton_sidecar.server")
+
+CHECKPOINT_FIELDS: Final = frozenset({"deadline", "reason"})
+MAX_REASON_CHARS: Final = 1024
+MAX_DEADLINE_AHEAD: Final = timedelta(days=7)
+"""A deadline further ahead is almost surely a unit mistake (milliseconds read as seconds)."""
+_OPEN_PATHS: Final = frozenset({"/healthz", "/metrics"})
+
+SIDECAR_KEY: Final = web.AppKey("sidecar", Sidecar)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class TokenFile:
+    """The bearer token, re-read whenever its file changes (a rotated Secret swaps the file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ident: tuple[int, int, int] | None = None
+        self._token = b""
+        self._refresh(startup=True)
+
+    def _refresh(self, *, startup: bool = False) -> None:
+        try:
+            st = os.stat(self.path)  # follows the Secret volume's ..data symlink
+            ident = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if ident == self._ident:
+                return
+            token = self.path.read_bytes().strip()
+        except OSError as e:
+            if startup:
+                raise ConfigError(
+                    f"cannot read the token file {self.path}: {e.strerror}. Mount the job's "
+                    "Secret there or pass --token-file / BATON_SIDECAR_TOKEN_FILE"
+                ) from e
+            log.warning(
+                "cannot re-read the token file %s (%s); keeping the last token", self.path, e
+            )
+            return
+        if not token:
+            if startup:
+                raise ConfigError(
+                    f"the token file {self.path} is empty: the Secret's 'token' key needs a value"
+                )
+            log.warning("the token file %s is empty now; keeping the last token", self.path)
+            return
+        if self._ident is not None:
+            log.info("the token file %s changed; using the new token", self.path)
+        self._ident, self._token = ident, token
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the current token (constant time)."""
+        self._refresh()
+        if not authorization:
+            return False
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(presented.strip().encode(), self._token)
+
+
+TOKEN_KEY: Final = web.AppKey("token", TokenFile)
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413) as JSON that says what to do."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, f"request body too large: {e.text}; a checkpoint request is tiny")
+    except web.HTTPMethodNotAllowed as e:
+        return _error(
+            405,
+            f"{request.method} is not allowed on {request.path}: use "
+            f"{', '.join(sorted(e.allowed_methods))}",
+            Allow=",".join(sorted(e.allowed_methods)),
+        )
+    except web.HTTPNotFound:
+        return _error(
+            404,
+            f"no endpoint {request.path}: use POST /v1/checkpoint, GET /v1/status, "
+            "GET /metrics or GET /healthz",
+        )
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in _OPEN_PATHS:
+        return await handler(request)
+    if not request.app[TOKEN_KEY].accepts(request.headers.get("Authorization")):
+        # The presented value is never logged: it may be a near-miss of the real token.
+        log.warning(
+            "refused %s %s from %s: bad or missing token",
+            request.method,
+            request.path,
+            request.remote,
+        )
+        return _error(
+            401,
+            "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the value "
+            "of the job's sidecar-token Secret",
+            **{"WWW-Authenticate": 'Bearer realm="baton-sidecar"'},
+        )
+    return await handler(request)
+
+
+async def _post_checkpoint(request: web.Request) -> web.Response:
+    content_type = request.headers.get("Content-Type", "application/json")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        return _error(415, f"Content-Type {content_type!r}: send the body as application/json")
+    raw = await request.read()  # raises 413 beyond client_max_size
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error(
+            400, f'body is not valid JSON ({e}): send {{"deadline": RFC3339, "reason": str}}'
+        )
+    problem = _check_body(body)
+    if problem is not None:
+        return _error(400, problem)
+    try:
+        deadline = parse_rfc3339(body["deadline"])
+    except ControlError as e:
+        return _error(400, f"'deadline': {e}")
+    now = utcnow()
+    if deadline <= now:
+        return _error(
+            422,
+            f"deadline {body['deadline']} is {(now - deadline).total_seconds():.1f}s in the past "
+            f"(the sidecar's clock says {now.isoformat()}): send a future time",
+        )
+    if deadline - now > MAX_DEADLINE_AHEAD:
+        return _error(
+            422,
+            f"deadline {body['deadline']} is more than {MAX_DEADLINE_AHEAD.days} days ahead: "
+            "check the units; a notice deadline is seconds to minutes away",
+        )
+    sidecar = request.app[SIDECAR_KEY]
+    try:
+        req, merged = await sidecar.request_checkpoint(
+            deadline=deadline, reason=body.get("reason", ""), source="operator"
+        )
+    except OSError as e:
+        log.error("cannot write the checkpoint request to %s: %s", sidecar.channel.directory, e)
+        return _error(
+            503,
+            f"cannot write to the control directory {sidecar.channel.directory}: {e.strerror}; "
+            "check the baton-control emptyDir mount",
+        )
+    return web.json_response(
+        {
+            "id": req.id,
+            "merged": merged,
+            "deadline": req.to_json()["deadline"],
+        },
+        status=202,
+    )
+
+
+def _check_body(body: Any) -> str | None:
+    if not isinstance(body, dict):
+        return (
+            'body must be a JSON object like {"deadline": RFC3339, "reason": str}, '
+            f"got {type(body).__name__}"
+        )
+    unknown = sorted(set(body) - CHECKPOINT_FIELDS)
+    if unknown:
+        return (
+            f"unknown field(s) {', '.join(map(repr, unknown))}: "
+            "the allowed fields are 'deadline' and 'reason'"
+        )
+    if "deadline" not in body:
+        return (
+            "'deadline' is missing: give the time the checkpoint must be committed by, as RFC 3339"
+        )
+    if not isinstance(body["deadline"], str):
+        return (
+            "'deadline' must be an RFC 3339 string like '2026-01-02T03:04:05Z', "
+            f"got {body['deadline']!r}"
+        )
+    reason = body.get("reason", "")
+    if not isinstance(reason, str):
+        return f"'reason' must be a string, got {type(reason).__name__}"
+    if len(reason) > MAX_REASON_CHARS:
+        return f"'reason' is {len(reason)} characters: keep it under {MAX_REASON_CHARS}"
+    return None
+
+
+async def _get_status(request: web.Request) -> web.Response:
+    sidecar = request.app[SIDECAR_KEY]
+    try:
+        return web.json_response(sidecar.status_view())
+    except ControlError as e:
+        return _error(500, f"the trainer's status cannot be read: {e}")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[SIDECAR_KEY].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    # Healthy means the event loop answers. The trainer's state is not the sidecar's health:
+    # restarting the sidecar would not bring a stopped trainer back.
+    return web.json_response({"ok": True})
+
+
+def create_app(sidecar: Sidecar, token: TokenFile) -> web.Application:
+    """The aiohttp application (no background tasks; see :func:`baton_sidecar.serve`)."""
+    app = web.Application(
+        middlewares=[_errors_as_json, _auth], client_max_size=sidecar.config.max_body_bytes
+    )
+    app[SIDECAR_KEY] = sidecar
+    app[TOKEN_KEY] = token
+    app.router.add_post("/v1/checkpoint", _post_checkpoint)
+    app.router.add_get("/v1/status", _get_status)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    return app
