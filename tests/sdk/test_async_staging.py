@@ -1,0 +1,97 @@
+"""Staging copies into reusable host buffers; background work is one at a time and never silent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from trainer_sdk.errors import CheckpointError
+from trainer_sdk.staging import AsyncSaver, HostBuffers
+
+
+def test_buffers_are_allocated_once_and_decoupled_from_the_source() -> None:
+    bufs = HostBuffers()
+    a = torch.arange(1000, dtype=torch.float32)
+    b = torch.ones(3, 4, dtype=torch.bfloat16).t()  # not contiguous: staged copy is
+    staged = bufs.stage({"a": a, "b": b})
+    assert bufs.allocations == 2
+    assert torch.equal(staged["a"], a)
+    assert torch.equal(staged["b"], b)
+    assert staged["b"].is_contiguous()
+    first_ptrs = {k: v.data_ptr() for k, v in staged.items()}
+    a.add_(1)  # mutation after staging does not reach the copy
+    assert staged["a"][0].item() == 0.0
+    again = bufs.stage({"a": a, "b": b})
+    assert bufs.allocations == 2  # reused
+    assert {k: v.data_ptr() for k, v in again.items()} == first_ptrs
+    assert again["a"][0].item() == 1.0
+    assert bufs.nbytes == 1000 * 4 + 12 * 2
+    # a shape change reallocates that buffer only; a vanished name frees its buffer
+    bufs.stage({"a": torch.zeros(10)})
+    assert bufs.allocations == 3
+    assert bufs.nbytes == 40
+
+
+def test_staging_refuses_non_tensors_with_a_fix() -> None:
+    with pytest.raises(CheckpointError, match="only tensors are staged"):
+        HostBuffers().stage({"x": [1, 2]})  # type: ignore[dict-item]
+
+
+def test_background_work_sees_staged_values_and_one_save_at_a_time() -> None:
+    saver = AsyncSaver()
+    src = torch.zeros(100)
+    gate = threading.Event()
+    seen: list[float] = []
+    running = threading.Semaphore(1)
+
+    def work(tensors: dict[str, torch.Tensor], tree: Any) -> str:
+        assert running.acquire(blocking=False), "two saves ran at once"
+        try:
+            gate.wait(5)
+            time.sleep(0.05)
+            seen.append(float(tensors["w"].sum()))
+            return f"step {tree['step']}"
+        finally:
+            running.release()
+
+    tree = {"step": 1}
+    h1 = saver.submit(step=1, tensors={"w": src}, json_tree=tree, work=work)
+    tree["step"] = 99  # the JSON tree was copied at staging time
+    src.fill_(7.0)  # so were the tensors
+    assert not h1.done()
+    assert h1.exception() is None
+    gate.set()
+    # the second submit waits for the first (its buffers are being read)
+    h2 = saver.submit(step=2, tensors={"w": src}, json_tree={"step": 2}, work=work)
+    assert h1.done()
+    assert h1.wait() == "step 1"
+    assert h2.wait() == "step 2"
+    assert seen == [0.0, 700.0]
+    assert h1.staged_bytes == 400
+    saver.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        saver.submit(step=3, tensors={}, json_tree={}, work=work)
+
+
+def test_a_background_failure_is_raised_by_the_next_wait_and_by_close() -> None:
+    def boom(tensors: dict[str, torch.Tensor], tree: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    saver = AsyncSaver()
+    h = saver.submit(step=5, tensors={"w": torch.ones(3)}, json_tree={}, work=boom)
+    with pytest.raises(OSError, match="No space left"):
+        h.wait()
+    assert isinstance(h.exception(), OSError)
+    with pytest.raises(OSError, match="No space left"):
+        saver.close()
+
+    saver2 = AsyncSaver()
+    saver2.submit(step=5, tensors={"w": torch.ones(3)}, json_tree={}, work=boom)
+    # the next save raises the previous failure instead of silently starting over
+    with pytest.raises(OSError, match="No space left"):
+        saver2.submit(step=6, tensors={"w": torch.ones(3)}, json_tree={}, work=boom)
+    saver2.close()

@@ -1,0 +1,160 @@
+"""Notices reach one rank; the agreement collective makes every rank act on them alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from baton_testing.dist import run_ranks
+
+from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk.control import ControlChannel
+from trainer_sdk.signals import (
+    ControlPoller,
+    LocalNotice,
+    NoticeBoard,
+    SigtermListener,
+    agree,
+)
+from trainer_sdk.storage import open_storage
+
+
+def test_sigterm_sets_a_flag_and_chains_the_previous_handler() -> None:
+    seen: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        listener = SigtermListener()
+        assert listener.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        # delivered to the main thread at the next bytecode boundary
+        for _ in range(100):
+            if listener.received:
+                break
+            time.sleep(0.01)
+        assert listener.received
+        assert seen == [signal.SIGTERM]
+        listener.reset()
+        assert not listener.received
+        listener.uninstall()
+        # the previous handler is back
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert seen == [signal.SIGTERM, signal.SIGTERM]
+        assert not listener.received
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_control_poller_sees_a_request_once_and_clears_it(tmp_path: Path) -> None:
+    channel = ControlChannel(tmp_path)
+    poller = ControlPoller(channel)
+    assert poller.poll() is None
+    deadline = datetime.now(UTC) + timedelta(seconds=90)
+    request, merged = channel.merge_request(deadline=deadline, reason="spot", source="aws")
+    assert not merged
+    got = poller.poll()
+    assert got is not None
+    assert got.id == request.id
+    assert got.deadline is not None
+    assert abs(got.deadline.timestamp() - deadline.timestamp()) < 0.01
+    # polling again without a change costs a stat and returns the same request
+    assert poller.poll() == got
+    poller.served(got)
+    assert not channel.request_path.exists()
+    assert poller.poll() is None
+
+
+def test_control_poller_ignores_an_unreadable_request(tmp_path: Path) -> None:
+    channel = ControlChannel(tmp_path)
+    channel.request_path.write_text("{not json")
+    assert ControlPoller(channel).poll() is None
+
+
+def test_notice_board_merges_sources_and_keeps_the_earliest_deadline(tmp_path: Path) -> None:
+    channel = ControlChannel(tmp_path)
+    board = NoticeBoard(sigterm=None, poller=ControlPoller(channel))
+    now = time.time()
+    board.request(deadline=now + 100, reason="first")
+    board.request(deadline=now + 50, reason="second")
+    channel.merge_request(
+        deadline=datetime.fromtimestamp(now + 70, tz=UTC), reason="aws", source="aws"
+    )
+    local = board.local()
+    assert local.api
+    assert local.control is not None
+    assert local.deadline == pytest.approx(now + 50, abs=1e-3)
+    assert "second" in local.reason
+    assert "aws" in local.reason
+    board.served(local)
+    after = board.local()
+    assert not after.api
+    assert after.control is None
+    assert after.deadline is None
+
+
+def test_single_process_agreement_adopts_the_local_view() -> None:
+    local = LocalNotice(sigterm=True, deadline=1234.5, periodic_due=True)
+    ag = agree(local, rank=0, group=None)
+    assert ag.notice
+    assert ag.sources == {"signal"}
+    assert ag.trigger == "signal"
+    assert ag.deadline == pytest.approx(1234.5)
+    assert ag.periodic_due
+    assert ag.rank0_time == pytest.approx(time.time(), abs=5)
+
+
+def _agree_body() -> dict[str, object]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    # rank 1 alone heard SIGTERM; rank 0 alone knows a deadline and says a timed save is due;
+    # rank 1 also claims a timed save is due, which must be ignored (rank 0's clock decides)
+    local = (
+        LocalNotice(deadline=5000.25, periodic_due=True)
+        if rank == 0
+        else LocalNotice(sigterm=True, deadline=9000.0, periodic_due=False)
+    )
+    quiet = agree(LocalNotice(periodic_due=rank == 1), rank=rank, group=dist.group.WORLD)
+    ag = agree(local, rank=rank, group=dist.group.WORLD)
+    return {
+        "sources": sorted(ag.sources),
+        "deadline": ag.deadline,
+        "periodic": ag.periodic_due,
+        "rank0_time": ag.rank0_time,
+        "quiet_notice": quiet.notice,
+        "quiet_periodic": quiet.periodic_due,
+        "bg": ag.background_failed,
+    }
+
+
+def test_two_ranks_agree_on_one_view() -> None:
+    a, b = run_ranks(_agree_body, 2, timeout=90)
+    assert a == b
+    assert a["sources"] == ["signal"]
+    assert a["deadline"] == pytest.approx(5000.25)
+    assert a["periodic"] is True
+    assert a["quiet_notice"] is False
+    assert a["quiet_periodic"] is False
+    assert a["bg"] is False
+    assert abs(float(a["rank0_time"]) - time.time()) < 120
+
+
+def test_estimator_uses_real_saves_over_the_probe(tmp_path: Path) -> None:
+    est = SaveEstimator(safety=2.0, fixed_s=0.5)
+    assert est.estimate(100) is None
+    assert not est.measured
+    nbytes, seconds = probe_write(open_storage(str(tmp_path)), rank=3, nbytes=1 << 20)
+    assert nbytes == 1 << 20
+    assert seconds > 0
+    # the probe leaves nothing behind
+    assert not list((tmp_path / ".baton-probe").glob("*"))
+    est.record(nbytes, seconds, probe=True)
+    assert est.measured
+    est.record(1000, 1.0)  # 1000 B/s, the slowest wins
+    est.record(4000, 1.0)
+    assert est.throughput == pytest.approx(1000.0)
+    assert est.estimate(3000) == pytest.approx(0.5 + 2.0 * 3.0)
