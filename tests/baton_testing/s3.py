@@ -1,0 +1,477 @@
+"""A real S3 server for tests (moto's server mode) and a fault-injecting HTTP proxy in front of it.
+
+Why a proxy rather than patched clients: the SDK's retry and abort logic must be exercised by the
+same botocore code paths that meet a real S3 in production (HTTP status codes, S3 XML error
+bodies, read timeouts, dropped connections). The proxy speaks plain HTTP/1.1 with keep-alive,
+forwards every request to moto unchanged, and answers selected requests with a fault instead.
+
+Fixtures (registered through ``pytest_plugins`` in ``tests/conftest.py``):
+
+* ``moto_s3`` (session): one ``python -m moto.server`` subprocess on a free 127.0.0.1 port.
+* ``s3_bucket`` (function): a fresh bucket on it, with ``AWS_ENDPOINT_URL_S3`` and fake
+  credentials set in the environment; direct access, no faults.
+* ``s3_faults`` (function): like ``s3_bucket``, but ``AWS_ENDPOINT_URL_S3`` points at a
+  :class:`FaultProxy`; tests add :class:`Fault` rules and read the proxy's request log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import http.client
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+import boto3
+import pytest
+
+__all__ = [
+    "Fault",
+    "FaultProxy",
+    "MotoServer",
+    "S3Bucket",
+    "Seen",
+    "classify",
+    "moto_s3",
+    "s3_bucket",
+    "s3_faults",
+]
+
+FAKE_KEY_ID = "testing-key-id"
+FAKE_SECRET = "testing-secret"  # moto accepts any credentials
+REGION = "us-east-1"
+
+Action = Literal["error", "stall", "drop_response", "reset", "truncate_body"]
+
+_ERROR_MESSAGES = {
+    "SlowDown": "Please reduce your request rate.",
+    "InternalError": "We encountered an internal error. Please try again.",
+    "ServiceUnavailable": "Service is unable to handle request.",
+    "TooManyRequests": "Too many requests.",
+    "AccessDenied": "Access Denied",
+}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """``python -m moto.server`` in a subprocess (its own GIL, so client timings are honest)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        # Another process may take the port between probing and binding; retry a few times.
+        for _ in range(5):
+            self.port = _free_port()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                    conn.request("GET", "/moto-api/data.json")
+                    if conn.getresponse().status == 200:
+                        conn.close()
+                        return
+                time.sleep(0.1)
+            self.stop()
+        raise RuntimeError("moto server did not start: is moto[server] installed in the venv?")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def client(self) -> Any:
+        """A boto3 S3 client straight to moto (no proxy, no faults)."""
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=FAKE_KEY_ID,
+            aws_secret_access_key=FAKE_SECRET,
+        )
+
+
+def classify(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
+    """(operation, bucket, key) of a path-style S3 request, e.g. ("UploadPart", "b", "k")."""
+    bucket, _, key = urllib.parse.unquote(path.lstrip("/")).partition("/")
+    if method == "PUT":
+        if "partNumber" in query and "uploadId" in query:
+            return "UploadPart", bucket, key
+        return ("PutObject" if key else "CreateBucket"), bucket, key
+    if method == "POST":
+        if "uploads" in query:
+            return "CreateMultipartUpload", bucket, key
+        if "uploadId" in query:
+            return "CompleteMultipartUpload", bucket, key
+        if "delete" in query:
+            return "DeleteObjects", bucket, key
+        return "Post", bucket, key
+    if method == "DELETE":
+        if "uploadId" in query:
+            return "AbortMultipartUpload", bucket, key
+        return ("DeleteObject" if key else "DeleteBucket"), bucket, key
+    if method == "HEAD":
+        return ("HeadObject" if key else "HeadBucket"), bucket, key
+    if not key:
+        if "uploads" in query:
+            return "ListMultipartUploads", bucket, key
+        return "ListObjects", bucket, key
+    if "uploadId" in query:
+        return "ListParts", bucket, key
+    return "GetObject", bucket, key
+
+
+@dataclass(kw_only=True)
+class Fault:
+    """Answer matching requests with a fault instead of forwarding them (or after forwarding).
+
+    A request matches when every given filter matches. ``nth`` counts matching requests from 1
+    in arrival order; ``times`` limits how often the rule fires (None: always).
+    """
+
+    op: str
+    """S3 operation as :func:`classify` names it: "UploadPart", "PutObject", "GetObject", ..."""
+    action: Action = "error"
+    """error: an S3 XML error response; stall: read the request, say nothing for ``seconds``,
+    then close; drop_response: forward, then close without answering (the server did the work);
+    reset: close without forwarding; truncate_body: forward, send headers and half the body."""
+    status: int = 500
+    code: str = "InternalError"
+    key: str | None = None
+    """fnmatch pattern on the object key."""
+    part_numbers: frozenset[int] | None = None
+    """Only UploadPart requests for these part numbers."""
+    nth: frozenset[int] | None = None
+    """Only the n-th matching requests (1-based)."""
+    times: int | None = None
+    seconds: float = 0.0
+    matched: int = 0
+    fired: int = 0
+
+    def matches(self, op: str, key: str, query: dict[str, str]) -> bool:
+        if op != self.op or (self.key is not None and not fnmatch.fnmatchcase(key, self.key)):
+            return False
+        if self.part_numbers is not None and int(query.get("partNumber", 0)) not in (
+            self.part_numbers
+        ):
+            return False
+        self.matched += 1
+        if self.nth is not None and self.matched not in self.nth:
+            return False
+        if self.times is not None and self.fired >= self.times:
+            return False
+        self.fired += 1
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Seen:
+    """One request as the proxy saw it."""
+
+    op: str
+    method: str
+    bucket: str
+    key: str
+    query: dict[str, str]
+    body_sha256: str
+    body_len: int
+    status: int | None
+    """The status the client got; None when it got no response (stall, drop, reset)."""
+    fault: Action | None
+
+    @property
+    def part_number(self) -> int | None:
+        return int(self.query["partNumber"]) if "partNumber" in self.query else None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _ProxyServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # keep test output clean; the proxy's request log is the record
+
+    def _handle(self) -> None:
+        proxy = self.server.proxy
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.send_error(501, "the fault proxy needs Content-Length request bodies")
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+        op, bucket, key = classify(self.command, url.path, query)
+        fault = proxy.pick_fault(op, key, query)
+        status: int | None = None
+        if fault is not None and fault.action in ("stall", "reset", "drop_response"):
+            # Logged on arrival: the client may give up and retry before this handler ends.
+            proxy.record(self._seen(op, bucket, key, query, body, None, fault))
+        try:
+            if fault is None:
+                status = self._forward(url, body, truncate=False)
+            elif fault.action == "error":
+                self._send_s3_error(fault.status, fault.code, url.path)
+                status = fault.status
+            elif fault.action == "stall":
+                proxy.stop_event.wait(fault.seconds)
+                self.close_connection = True
+            elif fault.action == "drop_response":
+                self._forward(url, body, truncate=False, send=False)
+                self.close_connection = True
+            elif fault.action == "reset":
+                self.close_connection = True
+            else:
+                status = self._forward(url, body, truncate=True)
+                self.close_connection = True
+        finally:
+            if fault is None or fault.action in ("error", "truncate_body"):
+                proxy.record(self._seen(op, bucket, key, query, body, status, fault))
+
+    def _seen(
+        self,
+        op: str,
+        bucket: str,
+        key: str,
+        query: dict[str, str],
+        body: bytes,
+        status: int | None,
+        fault: Fault | None,
+    ) -> Seen:
+        return Seen(
+            op=op,
+            method=self.command,
+            bucket=bucket,
+            key=key,
+            query=query,
+            body_sha256=hashlib.sha256(body).hexdigest(),
+            body_len=len(body),
+            status=status,
+            fault=None if fault is None else fault.action,
+        )
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_PUT(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_DELETE(self) -> None:
+        self._handle()
+
+    def do_HEAD(self) -> None:
+        self._handle()
+
+    def _send_s3_error(self, status: int, code: str, resource: str) -> None:
+        message = _ERROR_MESSAGES.get(code, code)
+        xml = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            f"<Resource>{resource}</Resource><RequestId>baton-fault</RequestId></Error>"
+        ).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(xml)
+
+    def _forward(
+        self, url: urllib.parse.SplitResult, body: bytes, *, truncate: bool, send: bool = True
+    ) -> int:
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.proxy.upstream_port)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+            target = url.path + (f"?{url.query}" if url.query else "")
+            upstream.request(self.command, target, body=body or None, headers=headers)
+            resp = upstream.getresponse()
+            data = resp.read()
+            if not send:
+                return resp.status
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in {"connection", "keep-alive", "transfer-encoding", "date"}:
+                    if k.lower() == "content-length":
+                        continue
+                    self.send_header(k, v)
+            length = int(resp.getheader("Content-Length") or len(data))
+            self.send_header("Content-Length", str(length))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data[: len(data) // 2] if truncate else data)
+            return resp.status
+        finally:
+            upstream.close()
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: FaultProxy
+
+
+class FaultProxy:
+    """A threaded HTTP proxy on 127.0.0.1 that forwards to moto and injects :class:`Fault` s."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self._faults: list[Fault] = []
+        self._seen: list[Seen] = []
+        self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
+        self._server.proxy = self
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def add(self, *faults: Fault) -> None:
+        with self._lock:
+            self._faults.extend(faults)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+            self._seen.clear()
+
+    def pick_fault(self, op: str, key: str, query: dict[str, str]) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.matches(op, key, query):
+                    return fault
+        return None
+
+    def record(self, seen: Seen) -> None:
+        with self._lock:
+            self._seen.append(seen)
+
+    def seen(self, op: str | None = None) -> list[Seen]:
+        """The request log so far, optionally only one operation's requests."""
+        with self._lock:
+            return [s for s in self._seen if op is None or s.op == op]
+
+
+@dataclass(kw_only=True)
+class S3Bucket:
+    """A fresh bucket on the moto server, and how the code under test reaches it."""
+
+    name: str
+    endpoint: str
+    """What ``AWS_ENDPOINT_URL_S3`` is set to (moto itself, or the fault proxy)."""
+    client: Any
+    """A boto3 client straight to moto, for setting up and checking (never faulted)."""
+    proxy: FaultProxy | None = None
+
+    def uri(self, prefix: str = "ckpt") -> str:
+        return f"s3://{self.name}/{prefix}" if prefix else f"s3://{self.name}"
+
+    def keys(self, prefix: str = "") -> list[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        return sorted(
+            obj["Key"]
+            for page in paginator.paginate(Bucket=self.name, Prefix=prefix)
+            for obj in page.get("Contents", [])
+        )
+
+    def multipart_uploads(self) -> list[dict[str, Any]]:
+        resp = self.client.list_multipart_uploads(Bucket=self.name)
+        return list(resp.get("Uploads", []))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.client.get_object(Bucket=self.name, Key=key)["Body"].read())
+
+
+_bucket_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoServer]:
+    """One moto S3 server (a subprocess) for the whole test session."""
+    server = MotoServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _set_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    monkeypatch.setenv("AWS_REGION", REGION)
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    # Never read a developer's ~/.aws files in tests.
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+def _new_bucket(moto_s3: MotoServer) -> tuple[str, Any]:
+    name = f"baton-test-{os.getpid()}-{next(_bucket_ids)}"
+    client = moto_s3.client()
+    client.create_bucket(Bucket=name)
+    return name, client
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """A fresh bucket; the AWS env vars point boto3 straight at moto."""
+    name, client = _new_bucket(moto_s3)
+    _set_env(monkeypatch, moto_s3.endpoint)
+    return S3Bucket(name=name, endpoint=moto_s3.endpoint, client=client)
+
+
+@pytest.fixture
+def s3_faults(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    """A fresh bucket behind a :class:`FaultProxy`; the AWS env vars point at the proxy."""
+    name, client = _new_bucket(moto_s3)
+    proxy = FaultProxy(moto_s3.port)
+    proxy.start()
+    _set_env(monkeypatch, proxy.endpoint)
+    try:
+        yield S3Bucket(name=name, endpoint=proxy.endpoint, client=client, proxy=proxy)
+    finally:
+        proxy.stop()

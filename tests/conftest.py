@@ -1,0 +1,1 @@
+pytest_plugins = ["baton_testing.s3", "baton_testing.cluster"]

@@ -1,0 +1,242 @@
+"""S3 faults produced for real: a proxy between boto3 and moto answers chosen requests with S3
+error responses, stalls past the client's read timeout, or drops connections."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+
+import botocore.exceptions
+import pytest
+from baton_testing.s3 import Fault, FaultProxy, S3Bucket
+
+from trainer_sdk.errors import StorageError
+from trainer_sdk.storage.s3 import MiB, S3Config, S3Storage
+
+PART = 5 * MiB
+# Short backoffs keep the suite fast; the retry logic is the same as with the defaults.
+FAST = S3Config(
+    part_size=PART,
+    max_concurrency=3,
+    read_chunk_size=1 * MiB,
+    max_attempts=3,
+    retry_rounds=2,
+    backoff_base=0.05,
+    backoff_max=0.2,
+    read_timeout=1.0,
+    connect_timeout=1.0,
+)
+
+
+def _proxy(bucket: S3Bucket) -> FaultProxy:
+    assert bucket.proxy is not None
+    return bucket.proxy
+
+
+def _upload(st: S3Storage, path: str, data: bytes, *, step: int = 3 * MiB + 7) -> None:
+    """Stream ``data`` in uneven pieces; abort on error, as trainer_sdk.api does."""
+    w = st.open_writer(path, size_hint=len(data))
+    try:
+        view = memoryview(data)
+        for pos in range(0, len(data), step):
+            w.write(view[pos : pos + step])
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _bodies_by_part(proxy: FaultProxy) -> dict[int, set[str]]:
+    bodies: dict[int, set[str]] = defaultdict(set)
+    for seen in proxy.seen("UploadPart"):
+        assert seen.part_number is not None
+        bodies[seen.part_number].add(seen.body_sha256)
+    return bodies
+
+
+def test_throttling_and_5xx_on_parts_are_retried(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(
+        Fault(op="UploadPart", part_numbers=frozenset({2}), status=503, code="SlowDown", times=1),
+        Fault(op="UploadPart", part_numbers=frozenset({5}), status=500, times=2),
+        Fault(
+            op="UploadPart",
+            part_numbers=frozenset({3}),
+            status=429,
+            code="TooManyRequests",
+            times=1,
+        ),
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(5 * PART + 1234)  # 6 parts
+    _upload(st, "step-1/shard", data)
+
+    assert s3_faults.get("ckpt/step-1/shard") == data
+    assert s3_faults.multipart_uploads() == []
+    statuses = [(s.part_number, s.status) for s in proxy.seen("UploadPart")]
+    for faulted in [(2, 503), (3, 429), (5, 500)]:
+        assert faulted in statuses
+    assert statuses.count((5, 500)) == 2
+    # Every part went up successfully once; retries re-sent the very same bytes.
+    assert sorted(n for n, status in statuses if status == 200) == [1, 2, 3, 4, 5, 6]
+    assert all(len(b) == 1 for b in _bodies_by_part(proxy).values())
+
+
+def test_stalled_part_times_out_and_resends_same_bytes(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    # Stall past read_timeout (1 s): botocore gives up on the attempt and sends it again.
+    proxy.add(
+        Fault(op="UploadPart", part_numbers=frozenset({2}), action="stall", seconds=3, times=1)
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(2 * PART + 99)
+    _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    part2 = [s for s in proxy.seen("UploadPart") if s.part_number == 2]
+    assert [s.fault for s in part2] == ["stall", None]
+    assert part2[0].body_sha256 == part2[1].body_sha256
+
+
+def test_sdk_rounds_continue_after_botocore_gives_up(s3_faults: S3Bucket) -> None:
+    """botocore makes max_attempts=3 attempts; the SDK's second round gets the part through."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({1}), status=503, times=4))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(PART + 10)
+    _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    part1 = [s.status for s in proxy.seen("UploadPart") if s.part_number == 1]
+    assert part1 == [503, 503, 503, 503, 200]
+
+
+def test_permanent_part_failure_aborts_upload_and_keeps_error(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({3}), status=500))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(6 * PART)
+    with pytest.raises(StorageError, match=r"upload part 3 of .*InternalError") as info:
+        _upload(st, "step-9/shard", data)
+    assert "failed after all retries" in str(info.value)
+    assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+
+    assert not st.exists("step-9/shard")
+    assert s3_faults.keys() == []
+    assert s3_faults.multipart_uploads() == []  # no dangling upload billed forever
+    assert len(proxy.seen("AbortMultipartUpload")) == 1
+    assert not proxy.seen("CompleteMultipartUpload")
+    # FAST: 2 SDK rounds of 3 botocore attempts each.
+    assert [s.status for s in proxy.seen("UploadPart") if s.part_number == 3] == [500] * 6
+
+
+def test_failed_abort_is_logged_and_original_error_raised(
+    s3_faults: S3Bucket, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(
+        Fault(op="UploadPart", part_numbers=frozenset({2}), status=503, code="SlowDown"),
+        Fault(op="AbortMultipartUpload", status=500),
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    with (
+        caplog.at_level(logging.ERROR, logger="trainer_sdk.storage.s3"),
+        pytest.raises(StorageError, match=r"upload part 2 of .*SlowDown"),
+    ):
+        _upload(st, "step-4/shard", os.urandom(3 * PART))
+    assert "aborting multipart upload" in caplog.text
+    assert "original error is raised" in caplog.text
+    assert "testing-secret" not in caplog.text  # never log credentials
+    # The upload is left behind (S3 refused the abort); cleanup of the step removes it.
+    assert len(s3_faults.multipart_uploads()) == 1
+    proxy.clear()
+    st.delete_tree("step-4")
+    assert s3_faults.multipart_uploads() == []
+
+
+def test_lost_complete_response_is_recognised(s3_faults: S3Bucket) -> None:
+    """Complete succeeds on the server but the reply is lost: the retry gets NoSuchUpload, and
+    the writer recognises its own object by the multipart ETag instead of failing the save."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="CompleteMultipartUpload", action="drop_response", times=1))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(2 * PART + 5)
+    _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    assert [s.fault for s in proxy.seen("CompleteMultipartUpload")] == ["drop_response", None]
+
+
+def test_small_put_throttled_then_succeeds(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(
+        Fault(op="PutObject", key="ckpt/step-1/manifest.json", status=503, code="SlowDown", times=2)
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    st.write_atomic("step-1/manifest.json", b'{"step": 1}')
+    assert s3_faults.get("ckpt/step-1/manifest.json") == b'{"step": 1}'
+    assert [s.status for s in proxy.seen("PutObject")] == [503, 503, 200]
+
+
+def test_manifest_put_failing_for_good_commits_nothing(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="PutObject", key="*manifest.json", status=503, code="SlowDown"))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    with pytest.raises(StorageError, match=r"write .*manifest.json failed after all retries"):
+        st.write_atomic("step-1/manifest.json", b"{}")
+    assert not st.exists("step-1/manifest.json")
+
+
+def test_truncated_ranged_get_is_retried(s3_faults: S3Bucket) -> None:
+    """A body cut off halfway is not retried by botocore (it has already returned); the SDK's
+    round re-reads the range into the same place."""
+    proxy = _proxy(s3_faults)
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(4 * MiB + 17)
+    st.write_atomic("blob", data)
+    proxy.add(Fault(op="GetObject", action="truncate_body", nth=frozenset({2, 3})))
+    out = bytearray(len(data))
+    st.read_into("blob", 0, memoryview(out))
+    assert out == data
+    gets = proxy.seen("GetObject")
+    assert len(gets) == 5 + 2  # 5 ranges of 1 MiB, two of them sent twice
+    assert sum(s.fault == "truncate_body" for s in gets) == 2
+
+
+def test_stalled_get_times_out_and_is_retried(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(1000)
+    st.write_atomic("small", data)
+    proxy.add(Fault(op="GetObject", action="stall", seconds=3, times=1))
+    out = bytearray(100)
+    st.read_into("small", 900, memoryview(out))
+    assert out == data[900:]
+    assert [s.fault for s in proxy.seen("GetObject")] == ["stall", None]
+
+
+def test_read_failing_for_good_names_the_object(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    st.write_atomic("blob", os.urandom(3 * MiB))
+    proxy.add(Fault(op="GetObject", status=500, nth=frozenset(range(2, 100))))
+    with pytest.raises(StorageError, match=r"read s3://.*/ckpt/blob failed after all retries"):
+        st.read_into("blob", 0, memoryview(bytearray(3 * MiB)))
+
+
+def test_access_denied_names_the_fix(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="PutObject", status=403, code="AccessDenied"))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    with pytest.raises(StorageError, match=r"docs/s3\.md") as info:
+        st.write_atomic("latest", b"{}")
+    assert "access denied" in str(info.value)
+    assert len(proxy.seen("PutObject")) == 1  # a permanent error is not retried
+
+
+def test_unreachable_endpoint_names_the_fix(
+    s3_faults: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # discard port: refused
+    cfg = S3Config(max_attempts=2, retry_rounds=1, connect_timeout=0.5, backoff_base=0.01)
+    st = S3Storage.from_uri(s3_faults.uri(), config=cfg)
+    with pytest.raises(StorageError, match="check AWS_ENDPOINT_URL_S3"):
+        st.exists("latest")
