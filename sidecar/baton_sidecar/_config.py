@@ -99,7 +99,13 @@ class SidecarConfig:
                 f"silent_after={self.silent_after} and absent_after={self.absent_after}: both "
                 "must be positive and absent_after must be at least silent_after"
             )
-        for name in ("status_interval", "aws_interval", "azure_interval", "probe_timeout"):
+        for name in (
+            "status_interval",
+            "aws_interval",
+            "azure_interval",
+            "probe_timeout",
+            "request_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.gce_wait_seconds < 1:
@@ -162,6 +168,11 @@ def parse_config(
         silent_after=args.silent_after,
         absent_after=args.absent_after,
         log_level=str(args.log_level).upper(),
+        aws_interval=_float_env(env, "BATON_SIDECAR_AWS_INTERVAL", 5.0),
+        azure_interval=_float_env(env, "BATON_SIDECAR_AZURE_INTERVAL", 1.0),
+        gce_wait_seconds=int(_float_env(env, "BATON_SIDECAR_GCE_WAIT", 60)),
+        request_timeout=_float_env(env, "BATON_SIDECAR_METADATA_TIMEOUT", 5.0),
+        status_interval=_float_env(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
     )
 
 
