@@ -1,0 +1,374 @@
+"""A real local Kubernetes cluster for tests and the demo: the driver for ``localcluster``.
+
+Why a local build rather than kind or k3s: neither Docker nor downloaded Kubernetes binaries are
+available, and the operator must meet the real API server (watches, 409 conflicts, CRD schema and
+CEL validation, RBAC, garbage collection, taints, node lifecycle, PodSecurity). ``localcluster``
+(``tests/cluster/``) is built from ``k8s.io/kubernetes`` and runs each pod's containers as local
+processes; see ``tests/cluster/README.md`` for what is real and what is simulated.
+
+Fixtures (registered through ``pytest_plugins`` in ``tests/conftest.py``):
+
+* ``local_cluster`` (session): one cluster of :data:`DEFAULT_CONFIG` nodes in a temporary
+  directory, stopped (with no process left behind) at the end of the session. Tests that break
+  nodes should add their own with :meth:`LocalCluster.add_node` rather than break shared ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import kubernetes.client
+import pytest
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ClusterConfig",
+    "LocalCluster",
+    "LocalClusterError",
+    "Provider",
+    "build_localcluster",
+    "local_cluster",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO_ROOT / "tests" / "cluster" / "build.sh"
+
+Provider = Literal["aws", "gke", "karpenter", "autoscaler"]
+
+
+class LocalClusterError(RuntimeError):
+    """The local cluster could not be built, started, driven or stopped cleanly."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterConfig:
+    """What ``localcluster up`` is asked for."""
+
+    nodes: int = 3
+    """Nodes registered at start; more can be added with :meth:`LocalCluster.add_node`."""
+    spot_nodes: int = 0
+    """How many of the first nodes carry spot capacity-type labels."""
+    gpus_per_node: int = 2
+    """``nvidia.com/gpu`` capacity per node (nothing backs it: it lets GPU requests schedule)."""
+    toleration_seconds: int = 10
+    """Default not-ready/unreachable toleration: how long after node loss pods are evicted.
+    Kubernetes' default is 300 s; 10 s keeps node-loss tests short."""
+    start_timeout_s: float = 180.0
+    """How long to wait for every node to be Ready (a warm start takes seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes}: a cluster needs at least one node")
+        if not 0 <= self.spot_nodes <= self.nodes:
+            raise ValueError(f"spot_nodes={self.spot_nodes} must be between 0 and nodes")
+
+
+DEFAULT_CONFIG = ClusterConfig()
+
+
+def build_localcluster(*, echo: bool = True) -> Path:
+    """Build (or find in the cache) the ``localcluster`` binary and return its path.
+
+    The first build compiles Kubernetes (10-25 minutes on 2 cores); later calls return at once.
+    """
+    if not BUILD_SCRIPT.exists():
+        raise LocalClusterError(f"{BUILD_SCRIPT} is missing: run from a full checkout")
+    proc = subprocess.Popen(
+        [str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if echo:
+            print(line, end="", file=sys.stderr, flush=True)
+    if proc.wait() != 0 or not lines:
+        tail = "\n".join(lines[-30:])
+        raise LocalClusterError(
+            f"{BUILD_SCRIPT} failed (exit {proc.returncode}); install Go 1.26+ and check:\n{tail}"
+        )
+    binary = Path(lines[-1])
+    if not binary.is_file():
+        raise LocalClusterError(f"{BUILD_SCRIPT} printed {binary}, which is not a file")
+    return binary
+
+
+def _pod_path_prefix() -> str:
+    # The project's venv comes first on every container's PATH, so `python`, `baton-sidecar`
+    # and `baton-operator` in pod commands are the ones under test.
+    venv_bin = REPO_ROOT / ".venv" / "bin"
+    if venv_bin.is_dir():
+        return str(venv_bin)
+    return str(Path(sys.executable).parent)
+
+
+def _read_environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _read_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("replace")
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+class LocalCluster:
+    """One running ``localcluster up`` process and the means to drive it.
+
+    Start it with :meth:`start` (or use the ``local_cluster`` fixture), stop it with :meth:`stop`
+    or a ``with`` block.
+    """
+
+    def __init__(self, *, binary: Path, directory: Path, config: ClusterConfig) -> None:
+        self.binary = binary
+        self.directory = directory
+        self.config = config
+        self.kubeconfig = directory / "kubeconfig"
+        self.kubectl_path = binary.parent / "kubectl"
+        self.log_path = directory / "up.log"
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._api: kubernetes.client.ApiClient | None = None
+
+    @classmethod
+    def start(
+        cls, directory: Path, config: ClusterConfig = DEFAULT_CONFIG, *, binary: Path | None = None
+    ) -> LocalCluster:
+        """Start a cluster in ``directory`` and wait until every node is Ready."""
+        cluster = cls(binary=binary or build_localcluster(), directory=directory, config=config)
+        cluster._start()
+        return cluster
+
+    def _start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cfg = self.config
+        args = [
+            str(self.binary), "up", "--dir", str(self.directory),
+            "--nodes", str(cfg.nodes), "--spot-nodes", str(cfg.spot_nodes),
+            "--gpus-per-node", str(cfg.gpus_per_node),
+            "--toleration-seconds", str(cfg.toleration_seconds),
+            "--pod-path-prefix", _pod_path_prefix(),
+        ]  # fmt: skip
+        began = time.monotonic()
+        with self.log_path.open("ab") as log:
+            # A session of its own, so the whole tree can be signalled and nothing inherits
+            # the test runner's terminal signals.
+            self._proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        ready = self.directory / "ready"
+        while not ready.exists():
+            if self._proc.poll() is not None:
+                raise LocalClusterError(
+                    f"localcluster up exited with {self._proc.returncode} before nodes were "
+                    f"Ready; its log ({self.log_path}) ends with:\n{self._log_tail()}"
+                )
+            if time.monotonic() - began > cfg.start_timeout_s:
+                self.stop()
+                raise LocalClusterError(
+                    f"nodes not Ready within {cfg.start_timeout_s:.0f}s; raise "
+                    f"ClusterConfig.start_timeout_s or read {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(0.1)
+        self.startup_s = time.monotonic() - began
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def api(self) -> kubernetes.client.ApiClient:
+        """A ``kubernetes`` client configured as the cluster admin."""
+        if self._api is None:
+            # cluster.json names the admin credentials as files; reading them directly keeps
+            # this independent of kubeconfig parsing (the kubeconfig holds the same values).
+            info = json.loads((self.directory / "cluster.json").read_text())
+            conf = kubernetes.client.Configuration(
+                host=info["server"],
+                ssl_ca_cert=info["caFile"],
+                cert_file=info["adminCertFile"],
+                key_file=info["adminKeyFile"],
+            )
+            self._api = kubernetes.client.ApiClient(conf)
+        return self._api
+
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the version-matched kubectl against this cluster as admin."""
+        cmd = [str(self.binary), "kubectl", "--kubeconfig", str(self.kubeconfig), *args]
+        result = subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and result.returncode != 0:
+            raise LocalClusterError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}"
+            )
+        return result
+
+    def _control(self, command: str, extra: Sequence[str]) -> str:
+        result = subprocess.run(
+            [str(self.binary), command, *extra, "--dir", str(self.directory)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise LocalClusterError(f"localcluster {command} failed: {result.stderr.strip()}")
+        return result.stdout.strip()
+
+    def preempt(
+        self,
+        node: str,
+        *,
+        provider: Provider = "aws",
+        grace_s: int = 120,
+        wait: bool = False,
+        cordon_only: bool = False,
+    ) -> None:
+        """Give ``node`` the provider's termination notice; the machine dies after ``grace_s``.
+
+        Returns once the notice is on the Node (or, with ``wait``, once the machine is gone).
+        """
+        extra = [node, "--provider", provider, "--grace", str(grace_s)]
+        if wait:
+            extra.append("--wait")
+        if cordon_only:
+            extra.append("--cordon-only")
+        self._control("preempt", extra)
+
+    def kill_node(self, node: str) -> None:
+        """Lose ``node`` without notice: processes die, heartbeats stop, the Node stays."""
+        self._control("kill-node", [node])
+
+    def add_node(self, *, spot: bool = False) -> str:
+        """Add a node, wait until it is Ready, and return its name."""
+        return self._control("add-node", ["--spot"] if spot else [])
+
+    def nodes(self) -> list[str]:
+        """Names of the nodes whose agents are alive."""
+        return [n for n in self._control("nodes", []).splitlines() if n]
+
+    def pod_processes(self, pod_uid: str) -> list[int]:
+        """PIDs of live processes that belong to the pod with this UID (found via /proc)."""
+        pids = []
+        for pid in _pids():
+            pod_dir = _read_environ(pid).get("LOCALCLUSTER_POD_DIR", "")
+            mine = pod_dir.startswith(str(self.directory)) and pod_dir.endswith(pod_uid)
+            if mine and not _is_zombie(pid):
+                pids.append(pid)
+        return pids
+
+    def processes(self) -> list[int]:
+        """PIDs of every live process this cluster started (control plane and pods)."""
+        mine = []
+        d = str(self.directory)
+        for pid in _pids():
+            if pid == os.getpid() or _is_zombie(pid):
+                continue
+            if d in _read_cmdline(pid) or _read_environ(pid).get(
+                "LOCALCLUSTER_POD_DIR", ""
+            ).startswith(d):
+                mine.append(pid)
+        return mine
+
+    def rss_bytes(self) -> int:
+        """Sum of the resident memory of every process of this cluster."""
+        total = 0
+        for pid in self.processes():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
+    def stop(self) -> None:
+        """Stop the cluster and check that none of its processes is left behind."""
+        self._api = None
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        leftovers: list[int] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            leftovers = self.processes()
+            if not leftovers:
+                return
+            time.sleep(0.2)
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        described = {pid: _read_cmdline(pid)[:120] for pid in leftovers}
+        raise LocalClusterError(
+            f"processes left behind after stop (now killed): {json.dumps(described)}; "
+            f"see {self.log_path}"
+        )
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="session")
+def local_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    """One cluster for the whole session (see the module docstring)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    # A cold build runs for many minutes: show its progress instead of swallowing it.
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        binary = build_localcluster()
+    cluster = LocalCluster.start(tmp_path_factory.mktemp("localcluster"), binary=binary)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

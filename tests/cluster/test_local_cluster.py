@@ -1,0 +1,553 @@
+"""The local cluster is a real Kubernetes: API semantics, controllers, admission and node faults.
+
+One cluster serves the whole module (the session fixture ``local_cluster``). Tests that break
+nodes add fresh ones first, so the shared nodes stay healthy for later tests.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from baton_testing.cluster import LocalCluster
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+pytestmark = pytest.mark.cluster
+
+T = TypeVar("T")
+ModelT = TypeVar("ModelT")
+
+
+def build(kind: Callable[[dict[str, Any]], ModelT | None], manifest: dict[str, Any]) -> ModelT:
+    """A typed client model from a wire-format manifest (``client.V1Pod.from_dict`` etc.)."""
+    built = kind(manifest)
+    assert built is not None
+    return built
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def core(local_cluster: LocalCluster) -> client.CoreV1Api:
+    return client.CoreV1Api(local_cluster.api)
+
+
+@pytest.fixture
+def namespace(core: client.CoreV1Api) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield name
+    core.delete_namespace(name)
+
+
+def python_container(name: str, script: str) -> dict[str, Any]:
+    """A container running ``python -c script`` (python resolves to the project's venv)."""
+    return {"name": name, "image": "python", "command": ["python", "-c", textwrap.dedent(script)]}
+
+
+def pod_manifest(name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {"containers": containers, "terminationGracePeriodSeconds": 5, **spec},
+    }
+
+
+def read_pod(core: client.CoreV1Api, ns: str, name: str) -> dict[str, Any] | None:
+    """The pod as its wire-format dict (camelCase keys), or None once it is gone."""
+    try:
+        return core.read_namespaced_pod(name, ns).to_dict(serialize=True)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def read_node(core: client.CoreV1Api, name: str) -> dict[str, Any]:
+    return core.read_node(name).to_dict(serialize=True)
+
+
+def node_names(core: client.CoreV1Api) -> list[str]:
+    return [n["metadata"]["name"] for n in core.list_node().to_dict(serialize=True)["items"]]
+
+
+def node_ready(node: dict[str, Any]) -> str:
+    return str(next(c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"))
+
+
+def pod_phase(core: client.CoreV1Api, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
+    pod = read_pod(core, ns, name)
+    return pod if pod and pod["status"].get("phase") in phases else None
+
+
+SLEEPER = """
+    import signal, time
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a job that will not stop on SIGTERM
+    while True:
+        time.sleep(1)
+"""
+
+
+def test_nodes_are_ready_with_capacity(local_cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    nodes = core.list_node().to_dict(serialize=True)["items"]
+    cfg = local_cluster.config
+    assert len(nodes) >= cfg.nodes
+    leases = client.CoordinationV1Api(local_cluster.api)
+    for node in nodes:
+        name = node["metadata"]["name"]
+        assert node_ready(node) == "True", name
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(cfg.gpus_per_node)
+        assert node["metadata"]["labels"]["kubernetes.io/hostname"] == name
+        lease = leases.read_namespaced_lease(name, "kube-node-lease").to_dict(serialize=True)
+        assert lease["spec"]["holderIdentity"] == name
+    # The version-matched kubectl sees the same nodes.
+    out = local_cluster.kubectl("get", "nodes", "-o", "name").stdout.split()
+    assert sorted(out) == sorted(f"node/{n['metadata']['name']}" for n in nodes)
+
+
+def test_pod_runs_command_with_env_and_reports_exit_code(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    core.create_namespaced_secret(
+        namespace,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name="creds"), string_data={"token": "s3cr3t"}
+        ),
+    )
+    script = """
+        import json, os, sys
+        keys = ["POD_NAME", "POD_NAMESPACE", "POD_UID", "NODE_NAME", "POD_IP", "APP", "TOKEN",
+                "GREETING"]
+        print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+        sys.exit(3)
+    """
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+        {"name": "GREETING", "value": "hello $(POD_NAME)"},
+    ]
+    container = python_container("main", script) | {"env": env}
+    core.create_namespaced_pod(
+        namespace,
+        build(client.V1Pod.from_dict, pod_manifest("envcheck", [container], restartPolicy="Never")),
+    )
+
+    pod = wait_for(
+        "the pod to finish", lambda: pod_phase(core, namespace, "envcheck", "Succeeded", "Failed")
+    )
+    status = pod["status"]
+    assert status["phase"] == "Failed"
+    state = status["containerStatuses"][0]["state"]["terminated"]
+    assert state["exitCode"] == 3
+    assert state["reason"] == "Error"
+    assert state["finishedAt"] >= state["startedAt"]
+    assert status["startTime"]
+    ip = status["podIP"]
+    assert ip.startswith("127.")
+    assert ip != "127.0.0.1"
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["PodScheduled"] == "True"
+    assert conditions["Ready"] == "False"
+
+    # `kubectl logs` goes API server -> node agent's kubelet endpoint -> the log file.
+    logs = local_cluster.kubectl("logs", "-n", namespace, "envcheck").stdout
+    seen = json.loads(logs.strip().splitlines()[-1])
+    assert seen == {
+        "POD_NAME": "envcheck",
+        "POD_NAMESPACE": namespace,
+        "POD_UID": pod["metadata"]["uid"],
+        "NODE_NAME": pod["spec"]["nodeName"],
+        "POD_IP": ip,
+        "APP": "envcheck",
+        "TOKEN": "s3cr3t",
+        "GREETING": "hello envcheck",
+    }
+
+
+CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "widgets.test.baton.dev"},
+    "spec": {
+        "group": "test.baton.dev",
+        "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["minReplicas", "maxReplicas"],
+                                "properties": {
+                                    "minReplicas": {"type": "integer", "minimum": 1},
+                                    "maxReplicas": {"type": "integer"},
+                                },
+                                "x-kubernetes-validations": [
+                                    {
+                                        "rule": "self.minReplicas <= self.maxReplicas",
+                                        "message": "minReplicas must not exceed maxReplicas",
+                                    }
+                                ],
+                            }
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_crd_schema_and_cel_rule_reject_invalid_objects(
+    local_cluster: LocalCluster, namespace: str
+) -> None:
+    ext = client.ApiextensionsV1Api(local_cluster.api)
+    custom = client.CustomObjectsApi(local_cluster.api)
+    try:
+        ext.create_custom_resource_definition(
+            build(client.V1CustomResourceDefinition.from_dict, CRD)
+        )
+    except ApiException as e:
+        if e.status != 409:
+            raise
+
+    def established() -> bool:
+        crd = ext.read_custom_resource_definition("widgets.test.baton.dev").to_dict(serialize=True)
+        conditions = crd["status"].get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for("the CRD to be established", established)
+
+    def widget(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": "test.baton.dev/v1", "kind": "Widget", "metadata": {"name": name},
+                "spec": spec}  # fmt: skip
+
+    def create(body: dict[str, Any]) -> Any:
+        return wait_for(
+            "the Widget resource to be served",
+            lambda: _create_or_error(custom, namespace, body),
+            timeout=30,
+        )
+
+    ok = create(widget("good", {"minReplicas": 1, "maxReplicas": 2, "unknown": "pruned"}))
+    assert isinstance(ok, dict)
+    assert "unknown" not in ok["spec"]  # structural schema: unknown fields are pruned
+
+    err = create(widget("bad", {"minReplicas": 3, "maxReplicas": 2}))
+    assert isinstance(err, ApiException)
+    assert err.status == 422
+    assert "minReplicas must not exceed maxReplicas" in str(err.body)
+
+    err = create(widget("bad2", {"minReplicas": 0, "maxReplicas": 2}))
+    assert isinstance(err, ApiException)
+    assert err.status == 422
+    assert "should be greater than or equal to 1" in str(err.body)
+
+
+def _create_or_error(
+    custom: client.CustomObjectsApi, ns: str, body: dict[str, Any]
+) -> dict[str, Any] | ApiException | None:
+    try:
+        created = custom.create_namespaced_custom_object(
+            "test.baton.dev", "v1", ns, "widgets", body
+        )
+    except ApiException as e:
+        if e.status == 404:  # discovery of a just-established CRD can lag a moment
+            return None
+        return e
+    assert isinstance(created, dict)
+    return created
+
+
+def test_service_account_with_narrow_role_is_denied_outside_it(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    rbac = client.RbacAuthorizationV1Api(local_cluster.api)
+    core.create_namespaced_service_account(
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="reader"))
+    )
+    rbac.create_namespaced_role(
+        namespace,
+        build(
+            client.V1Role.from_dict,
+            {
+                "metadata": {"name": "pod-reader"},
+                "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}],
+            },
+        ),
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        build(
+            client.V1RoleBinding.from_dict,
+            {
+                "metadata": {"name": "reader-pods"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "pod-reader",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+            },
+        ),
+    )
+    # The pod logs in as its ServiceAccount through the kubeconfig the node agent writes.
+    script = """
+        import json, os
+        from kubernetes import client, config
+        from kubernetes.client.exceptions import ApiException
+        config.load_kube_config()
+        v1 = client.CoreV1Api()
+        ns = os.environ["POD_NAMESPACE"]
+        def status(call):
+            try:
+                call()
+                return 200
+            except ApiException as e:
+                return e.status
+        print(json.dumps({
+            "own_pods": status(lambda: v1.list_namespaced_pod(ns)),
+            "own_secrets": status(lambda: v1.list_namespaced_secret(ns)),
+            "other_pods": status(lambda: v1.list_namespaced_pod("kube-system")),
+            "nodes": status(lambda: v1.list_node()),
+        }), flush=True)
+    """
+    container = python_container("main", script) | {
+        "env": [
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            }
+        ]
+    }
+    core.create_namespaced_pod(
+        namespace,
+        build(
+            client.V1Pod.from_dict,
+            pod_manifest(
+                "rbaccheck", [container], restartPolicy="Never", serviceAccountName="reader"
+            ),
+        ),
+    )
+    pod = wait_for(
+        "the RBAC probe pod to finish",
+        lambda: pod_phase(core, namespace, "rbaccheck", "Succeeded", "Failed"),
+        timeout=90,
+    )
+    logs = local_cluster.kubectl("logs", "-n", namespace, "rbaccheck").stdout
+    assert pod["status"]["phase"] == "Succeeded", logs
+    assert json.loads(logs.strip().splitlines()[-1]) == {
+        "own_pods": 200,
+        "own_secrets": 403,
+        "other_pods": 403,
+        "nodes": 403,
+    }
+
+
+def test_pod_violating_restricted_is_rejected(core: client.CoreV1Api, namespace: str) -> None:
+    core.patch_namespace(
+        namespace,
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+    )
+    privileged = python_container("main", "pass") | {"securityContext": {"privileged": True}}
+    with pytest.raises(ApiException) as info:
+        core.create_namespaced_pod(
+            namespace, build(client.V1Pod.from_dict, pod_manifest("priv", [privileged]))
+        )
+    assert info.value.status == 403
+    assert 'violates PodSecurity "restricted:latest"' in str(info.value.body)
+
+    # The same namespace admits a pod that meets the profile, so the rejection is the policy's.
+    compliant = python_container("main", "pass") | {
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+    }
+    created = core.create_namespaced_pod(
+        namespace, build(client.V1Pod.from_dict, pod_manifest("fine", [compliant]))
+    )
+    assert created.to_dict(serialize=True)["metadata"]["uid"]
+
+
+def test_deleting_owner_garbage_collects_owned_pods(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    apps = client.AppsV1Api(local_cluster.api)
+    labels = {"app": "gc"}
+    apps.create_namespaced_deployment(
+        namespace,
+        build(
+            client.V1Deployment.from_dict,
+            {
+                "metadata": {"name": "gc"},
+                "spec": {
+                    "replicas": 2,
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "terminationGracePeriodSeconds": 5,
+                            "containers": [
+                                python_container("main", "import time; time.sleep(3600)")
+                            ],
+                        },
+                    },
+                },
+            },
+        ),
+    )
+
+    def pods() -> list[dict[str, Any]]:
+        items = core.list_namespaced_pod(namespace, label_selector="app=gc")
+        return list(items.to_dict(serialize=True)["items"])
+
+    def running_pods() -> list[dict[str, Any]] | None:
+        running = [p for p in pods() if p["status"].get("phase") == "Running"]
+        return running if len(running) == 2 else None
+
+    running = wait_for("the deployment's 2 pods to run", running_pods)
+    uids = [p["metadata"]["uid"] for p in running]
+    assert all(local_cluster.pod_processes(uid) for uid in uids)
+    assert {p["metadata"]["ownerReferences"][0]["kind"] for p in running} == {"ReplicaSet"}
+
+    apps.delete_namespaced_deployment("gc", namespace, propagation_policy="Background")
+    wait_for(
+        "the garbage collector to delete the ReplicaSet and its pods",
+        lambda: not pods() and not apps.list_namespaced_replica_set(namespace).items,
+    )
+    assert all(not local_cluster.pod_processes(uid) for uid in uids)
+
+
+def run_pinned_sleeper(core: client.CoreV1Api, ns: str, name: str, node: str) -> dict[str, Any]:
+    manifest = pod_manifest(
+        name,
+        [python_container("main", SLEEPER)],
+        nodeSelector={"kubernetes.io/hostname": node},
+        terminationGracePeriodSeconds=300,
+    )
+    core.create_namespaced_pod(ns, build(client.V1Pod.from_dict, manifest))
+    return wait_for(f"{name} to run on {node}", lambda: pod_phase(core, ns, name, "Running"))
+
+
+def test_aws_preemption_taints_then_kills_the_node(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node = local_cluster.add_node(spot=True)
+    pod = run_pinned_sleeper(core, namespace, "victim", node)
+    uid = pod["metadata"]["uid"]
+    assert pod["spec"]["nodeName"] == node
+    assert local_cluster.pod_processes(uid)
+
+    grace = 6
+    local_cluster.preempt(node, provider="aws", grace_s=grace)
+    noticed = time.monotonic()
+    n = read_node(core, node)
+    taints = {t["key"]: t for t in n["spec"]["taints"]}
+    itn = taints["aws-node-termination-handler/spot-itn"]
+    assert itn["effect"] == "NoSchedule"
+    assert itn["value"].startswith("spot-itn-")
+    assert n["metadata"]["labels"]["aws-node-termination-handler/event-id"] == itn["value"]
+    assert n["spec"]["unschedulable"] is True  # NTH cordons
+
+    # NTH drains: the pod is evicted (graceful deletion) but ignores SIGTERM, so it lives on
+    # until the machine dies at the end of the notice.
+    wait_for(
+        "NTH's drain to evict the pod",
+        lambda: (
+            (p := read_pod(core, namespace, "victim")) and p["metadata"].get("deletionTimestamp")
+        ),
+    )
+    assert local_cluster.pod_processes(uid)
+    wait_for(
+        "the pod's processes to be killed with the machine",
+        lambda: not local_cluster.pod_processes(uid),
+        timeout=grace + 10,
+    )
+    assert time.monotonic() - noticed >= grace - 1
+    wait_for("the Node object to be removed", lambda: node not in node_names(core), timeout=15)
+    # As in a cloud: nobody reports for the pod any more, and pod GC deletes the orphan
+    # (after its 40 s quarantine for nodes that might come back).
+    wait_for(
+        "pod GC to delete the orphaned pod",
+        lambda: not read_pod(core, namespace, "victim"),
+        timeout=90,
+    )
+
+
+def test_kill_node_leads_to_not_ready_and_eviction(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node = local_cluster.add_node()
+    pod = run_pinned_sleeper(core, namespace, "stranded", node)
+    uid = pod["metadata"]["uid"]
+    local_cluster.kill_node(node)
+    wait_for(
+        "the node's processes to die with it",
+        lambda: not local_cluster.pod_processes(uid),
+        timeout=10,
+    )
+    # node-lifecycle notices the silent Lease, marks the node NotReady (Unknown) and taints it.
+    wait_for(
+        "the node-lifecycle controller to mark the node not ready",
+        lambda: (x := read_node(core, node)) and node_ready(x) == "Unknown" and x,
+        timeout=60,
+    )
+    wait_for(
+        "the unreachable NoExecute taint",
+        lambda: (
+            (x := read_node(core, node))
+            and any(
+                t["key"] == "node.kubernetes.io/unreachable" and t["effect"] == "NoExecute"
+                for t in x["spec"].get("taints") or []
+            )
+            and x
+        ),
+        timeout=30,
+    )
+    # taint-eviction evicts the pod once its default toleration for unreachable runs out.
+    evicted = wait_for(
+        "taint-eviction to evict the pod",
+        lambda: (
+            (p := read_pod(core, namespace, "stranded"))
+            and p["metadata"].get("deletionTimestamp")
+            and p
+        ),
+        timeout=60,
+    )
+    disruption = [c for c in evicted["status"]["conditions"] if c["type"] == "DisruptionTarget"]
+    assert disruption
+    assert disruption[0]["reason"] == "DeletionByTaintManager"
+    assert node in node_names(core)  # the Node stays: no cloud removed it
