@@ -1,0 +1,383 @@
+"""Baton's Grafana dashboard, built from a short list of panels (deploy/generate.py writes it).
+
+Written as code rather than 600 lines of hand-edited JSON so that every query is in one
+readable place, the layout stays consistent, and tests/deploy/ can run each query against a
+real Prometheus. Only metric names from docs/contracts.md appear here.
+
+Label conventions (docs/observability.md): per-job series carry ``namespace`` and ``job`` (the
+TrainingJob's namespace and name); the operator sets them itself, the sidecars get them from the
+scrape configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+__all__ = ["UID", "dashboard"]
+
+UID: Final = "baton-overview"
+
+# Dashboard variables: the datasource, then the TrainingJob namespace and name. Both are
+# multi-value with "All" = ".*", so every per-job query filters with =~.
+_SEL: Final = 'namespace=~"$namespace", job=~"$job"'
+_RATE: Final = "$__rate_interval"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Target:
+    expr: str
+    """The PromQL expression (Grafana variables allowed)."""
+    legend: str
+    """Grafana legend format, e.g. ``p95 {{trigger}}``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Panel:
+    title: str
+    description: str
+    """Shown as the panel's (i) tooltip: what the panel answers and how to read it."""
+    targets: tuple[_Target, ...]
+    unit: str
+    """A Grafana unit id: ``s``, ``Bps``, ``short``, ..."""
+    kind: str = "timeseries"
+    width: int = 12
+    stacked: bool = False
+    bars: bool = False
+    thresholds: tuple[tuple[float, str], ...] = ()
+    """Extra (value, color) steps above the base green, drawn as lines/areas on the panel."""
+
+
+def _quantiles(metric: str, by: str, qs: tuple[float, ...], legend: str) -> tuple[_Target, ...]:
+    return tuple(
+        _Target(
+            expr=(
+                f"histogram_quantile({q}, sum by (le, {by}) "
+                f"(rate({metric}_bucket{{{_SEL}}}[{_RATE}])))"
+            ),
+            legend=f"p{round(q * 100):02d} {legend}",
+        )
+        for q in qs
+    )
+
+
+_PANELS: Final[tuple[_Panel, ...]] = (
+    _Panel(
+        title="Checkpoint duration by trigger (p50, p95)",
+        description=(
+            "Total save time as the SDK reports it, from the agreed step to the commit of the "
+            "manifest, split by what triggered the save (periodic, notice, signal). Notice "
+            "saves must fit in the preemption window: compare with the deadline panel."
+        ),
+        targets=_quantiles("baton_checkpoint_seconds", "trigger", (0.5, 0.95), "{{trigger}}"),
+        unit="s",
+    ),
+    _Panel(
+        title="Notice to commit against the deadline",
+        description=(
+            "From the moment the operator saw a preemption notice to the commit of the "
+            "checkpoint it asked for (p50, p95), against the notice window (average of "
+            "notice-to-commit plus deadline margin, i.e. deadline minus notice). The gap "
+            "between the p95 line and the window is the margin left."
+        ),
+        targets=(
+            *_quantiles(
+                "baton_checkpoint_notice_to_commit_seconds",
+                "namespace, job",
+                (0.5, 0.95),
+                "notice→commit {{namespace}}/{{job}}",
+            ),
+            _Target(
+                expr=(
+                    "sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_notice_to_commit_seconds_sum{{{_SEL}}}[{_RATE}]))"
+                    " / sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_notice_to_commit_seconds_count{{{_SEL}}}[{_RATE}]))"
+                    " + sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_deadline_margin_seconds_sum{{{_SEL}}}[{_RATE}]))"
+                    " / sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_deadline_margin_seconds_count{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="notice window (avg) {{namespace}}/{{job}}",
+            ),
+        ),
+        unit="s",
+    ),
+    _Panel(
+        title="Deadline margin (p05, p50)",
+        description=(
+            "Deadline minus commit time of notice checkpoints. Below zero the save missed the "
+            "deadline and the job resumes from an older checkpoint; the alert "
+            "BatonCheckpointNearDeadline fires when p05 falls under 10 s."
+        ),
+        targets=_quantiles(
+            "baton_checkpoint_deadline_margin_seconds",
+            "namespace, job",
+            (0.05, 0.5),
+            "{{namespace}}/{{job}}",
+        ),
+        unit="s",
+        thresholds=((-1e9, "red"), (0, "orange"), (10, "green")),
+    ),
+    _Panel(
+        title="Preemptions and restarts",
+        description=(
+            "Preemptions handled by the operator, and restarts by reason (preemption, failure, "
+            "elastic), per interval. Three restarts in 30 minutes raise BatonRestartLoop."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    "sum by (namespace, job) "
+                    f"(increase(baton_preemptions_total{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="preemptions {{namespace}}/{{job}}",
+            ),
+            _Target(
+                expr=f"sum by (reason) (increase(baton_restarts_total{{{_SEL}}}[{_RATE}]))",
+                legend="restarts: {{reason}}",
+            ),
+        ),
+        unit="short",
+        bars=True,
+    ),
+    _Panel(
+        title="Steps lost",
+        description=(
+            "Training steps redone after restarts: the steps between the last committed "
+            "checkpoint and the step where the job stopped. A preemption handled in time "
+            "loses none; a crash loses up to one checkpoint period."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    f"sum by (namespace, job) (increase(baton_steps_lost_total{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="lost {{namespace}}/{{job}}",
+            ),
+            *_quantiles("baton_steps_lost", "namespace, job", (0.95,), "per restart {{job}}"),
+        ),
+        unit="short",
+        bars=True,
+    ),
+    _Panel(
+        title="Save throughput",
+        description=(
+            "Checkpoint bytes written per second of save time (bytes over the summed save "
+            "durations), and the average write rate over wall time. A falling save "
+            "throughput with steady sizes points at the storage."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    "sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_bytes_total{{{_SEL}}}[{_RATE}]))"
+                    " / sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_seconds_sum{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="while saving {{namespace}}/{{job}}",
+            ),
+            _Target(
+                expr=(
+                    "sum by (namespace, job) "
+                    f"(rate(baton_checkpoint_bytes_total{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="average {{namespace}}/{{job}}",
+            ),
+        ),
+        unit="Bps",
+    ),
+    _Panel(
+        title="Checkpoint phases (p95)",
+        description=(
+            "Where save time goes: stage (copy to host buffers, the only part that blocks "
+            "training), write, upload, commit."
+        ),
+        targets=_quantiles("baton_checkpoint_phase_seconds", "phase", (0.95,), "{{phase}}"),
+        unit="s",
+    ),
+    _Panel(
+        title="Checkpoint requests and notices",
+        description=(
+            "Checkpoint requests served by the sidecars by result (committed, failed, "
+            "skipped: too little time left to finish), and preemption notices by source."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    "sum by (result) "
+                    f"(increase(baton_checkpoint_requests_total{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="requests: {{result}}",
+            ),
+            _Target(
+                expr=f"sum by (source) (increase(baton_notices_total[{_RATE}]))",
+                legend="notices: {{source}}",
+            ),
+        ),
+        unit="short",
+        bars=True,
+    ),
+    _Panel(
+        title="Jobs by phase",
+        description="TrainingJobs the operator runs, by status.phase.",
+        targets=(_Target(expr="sum by (phase) (baton_jobs)", legend="{{phase}}"),),
+        unit="short",
+        stacked=True,
+    ),
+    _Panel(
+        title="Time since last checkpoint",
+        description=(
+            "Age of each job's newest committed checkpoint: what a hard node loss would cost "
+            "now. BatonNoRecentCheckpoint fires above one hour."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    "time() - max by (namespace, job) "
+                    f"(baton_last_checkpoint_timestamp_seconds{{{_SEL}}})"
+                ),
+                legend="{{namespace}}/{{job}}",
+            ),
+        ),
+        unit="s",
+        thresholds=((1800, "orange"), (3600, "red")),
+    ),
+    _Panel(
+        title="Last committed step",
+        description="The newest committed step each job's ranks report.",
+        targets=(
+            _Target(
+                expr=(f"max by (namespace, job) (baton_checkpoint_last_committed_step{{{_SEL}}})"),
+                legend="{{namespace}}/{{job}}",
+            ),
+        ),
+        unit="short",
+        kind="stat",
+        width=6,
+    ),
+    _Panel(
+        title="Failure budget remaining",
+        description=(
+            "Failures (not preemptions) a job may still have before it is marked Failed. "
+            "BatonFailureBudgetNearlySpent fires at one."
+        ),
+        targets=(
+            _Target(
+                expr=f"min by (namespace, job) (baton_failure_budget_remaining{{{_SEL}}})",
+                legend="{{namespace}}/{{job}}",
+            ),
+        ),
+        unit="short",
+        kind="stat",
+        width=6,
+        thresholds=((0, "red"), (1, "orange"), (2, "green")),
+    ),
+)
+
+
+def _panel_json(panel: _Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    steps += [{"color": color, "value": value} for value, color in panel.thresholds]
+    custom: dict[str, Any] = {}
+    if panel.kind == "timeseries":
+        custom = {
+            "drawStyle": "bars" if panel.bars else "line",
+            "fillOpacity": 30 if (panel.bars or panel.stacked) else 0,
+            "stacking": {"mode": "normal" if panel.stacked else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "line" if panel.thresholds else "off"},
+        }
+    return {
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {
+            "defaults": {
+                "unit": panel.unit,
+                "custom": custom,
+                "thresholds": {"mode": "absolute", "steps": steps},
+            },
+            "overrides": [],
+        },
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
+        if panel.kind == "timeseries"
+        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value"},
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "expr": target.expr,
+                "legendFormat": target.legend,
+            }
+            for i, target in enumerate(panel.targets)
+        ],
+    }
+
+
+def _variable(name: str, label: str, metric: str) -> dict[str, Any]:
+    query = f"label_values({metric}, {name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "refresh": 2,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    """The dashboard JSON (a fresh dict), ready for Grafana's import or its sidecar."""
+    panels: list[dict[str, Any]] = []
+    x = y = 0
+    for panel_id, panel in enumerate(_PANELS, start=1):
+        if x + panel.width > 24:
+            x, y = 0, y + 8
+        panels.append(_panel_json(panel, panel_id, x, y))
+        x += panel.width
+    return {
+        "uid": UID,
+        "title": "Baton: checkpoints and preemptions",
+        "description": (
+            "How long checkpoints take, how close they come to the preemption deadline, and "
+            "what preemptions cost. docs/observability.md explains each panel."
+        ),
+        "tags": ["baton", "training", "spot"],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "time": {"from": "now-24h", "to": "now"},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                },
+                # The operator exports the budget gauge for every job it runs, so these list
+                # exactly the TrainingJobs it knows.
+                _variable("namespace", "Namespace", "baton_failure_budget_remaining"),
+                _variable(
+                    "job",
+                    "TrainingJob",
+                    'baton_failure_budget_remaining{namespace=~"$namespace"}',
+                ),
+            ]
+        },
+        "annotations": {"list": []},
+        "panels": panels,
+    }
