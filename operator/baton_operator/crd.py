@@ -263,6 +263,11 @@ def _status_schema() -> dict[str, Any]:
             "deadline": _str("When the node is expected to go.", format="date-time"),
             "receivedAt": _str("When the operator saw the notice.", format="date-time"),
             "requestedAt": _str("When checkpoints were requested.", format="date-time"),
+            "requestIds": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The sidecars' request ids, by rank.",
+            },
         },
     }
     last_checkpoint = {

@@ -25,6 +25,12 @@ class Watched:
     version: str
     plural: str
 
+    def selector(self) -> tuple[str, ...]:
+        """Positional arguments for ``@kopf.on.*`` (kopf spells the core group "v1")."""
+        if self.group:
+            return (self.group, self.version, self.plural)
+        return (self.version, self.plural)
+
 
 JOBS: Final = Watched(crd.GROUP, crd.VERSION, crd.PLURAL)
 NODES: Final = Watched("", "v1", "nodes")

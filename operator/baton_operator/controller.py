@@ -1,0 +1,856 @@
+"""One reconcile step of a TrainingJob: observe, ask ``lifecycle`` what to do, do it.
+
+The kopf daemon of each job calls :meth:`Reconciler.tick` about once a second. A tick is
+level-triggered and idempotent: it reads the job and its pods fresh, and every decision is
+written to ``status`` *before* it is carried out (the status says "attempt 3, Restarting";
+then attempt 2's pods are deleted; then attempt 3's are created under deterministic names). An
+operator killed at any point and started again reads the same status and the same pods, and
+continues where it stopped, with no duplicate pod and no lost step.
+
+The nodes' state (readiness, notices) comes from kopf's Node watch through :class:`ClusterView`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from . import lifecycle, manifests
+from .errors import SidecarError
+from .kube import Kube
+from .lifecycle import Outcome, Phase, RankView, VerdictKind
+from .metrics import Metrics
+from .model import JobSpec, LastCheckpoint
+from .notices import Notice, earliest, node_notices, parse_time, pod_notice
+from .settings import OperatorConfig
+from .sidecars import SidecarClient, SidecarStatus
+
+__all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
+
+_log = logging.getLogger(__name__)
+
+EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
+"""``post(job_body, type, reason, message)``: posts a Kubernetes Event about the job."""
+
+
+def _now() -> datetime:
+    return datetime.now(tz=UTC)
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass
+class _Node:
+    ready: bool
+    not_ready_since: datetime | None
+    notices: list[Notice]
+
+
+@dataclass
+class ClusterView:
+    """What the Node watch has told us: readiness and notices per node."""
+
+    config: OperatorConfig
+    nodes: dict[str, _Node] = field(default_factory=dict)
+    deleted: set[str] = field(default_factory=set)
+
+    def update_node(self, body: Mapping[str, Any], *, now: datetime) -> list[Notice]:
+        """Record a Node; return the notices that are new on it (for Events and metrics)."""
+        name = str((body.get("metadata") or {}).get("name", ""))
+        ready = False
+        since: datetime | None = None
+        for cond in (body.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Ready":
+                ready = cond.get("status") == "True"
+                since = None if ready else (parse_time(cond.get("lastTransitionTime")) or now)
+        found = node_notices(body, now=now, graces=self.config.graces)
+        old = self.nodes.get(name)
+        # Keep the first-seen deadline of a notice: a re-list after an operator restart must
+        # not push it later.
+        known = {n.source: n for n in old.notices} if old else {}
+        merged = [known.get(n.source, n) for n in found]
+        fresh = [n for n in found if n.source not in known]
+        self.nodes[name] = _Node(ready=ready, not_ready_since=since, notices=merged)
+        self.deleted.discard(name)
+        return fresh
+
+    def remove_node(self, name: str) -> None:
+        """A Node object was deleted: whatever ran there is lost."""
+        self.nodes.pop(name, None)
+        self.deleted.add(name)
+
+    def notices_on(self, node: str) -> list[Notice]:
+        """The current notices of one node."""
+        info = self.nodes.get(node)
+        return list(info.notices) if info else []
+
+    def node_lost(self, node: str | None, *, now: datetime) -> bool:
+        """The node was deleted, or has not been Ready for ``node_lost_seconds``."""
+        if not node:
+            return False
+        if node in self.deleted:
+            return True
+        info = self.nodes.get(node)
+        if info is None or info.ready or info.not_ready_since is None:
+            return False
+        return now - info.not_ready_since >= timedelta(seconds=self.config.node_lost_seconds)
+
+    def node_ready(self, node: str | None) -> bool:
+        """Whether the node is known and Ready."""
+        info = self.nodes.get(node or "")
+        return bool(info and info.ready)
+
+    def usable_nodes(self, avoid: set[str]) -> int:
+        """Ready nodes without a notice and not avoided: how many ranks could be placed."""
+        return sum(
+            1
+            for name, info in self.nodes.items()
+            if info.ready and not info.notices and name not in avoid
+        )
+
+
+@dataclass
+class JobMemory:
+    """What a job's daemon remembers between ticks (nothing that must survive a restart)."""
+
+    token: str | None = None
+    next_progress_poll: datetime | None = None
+
+
+@dataclass
+class _Tick:
+    """Everything one tick of one job has observed."""
+
+    job: Mapping[str, Any]
+    spec: JobSpec
+    status: dict[str, Any]
+    current: Mapping[int, Mapping[str, Any]]
+    memory: JobMemory
+    now: datetime
+    views: list[RankView] = field(default_factory=list)
+
+
+def _set_condition(
+    conditions: list[dict[str, Any]],
+    ctype: str,
+    status: bool,
+    reason: str,
+    message: str,
+    *,
+    now: datetime,
+    generation: int,
+) -> list[dict[str, Any]]:
+    value = "True" if status else "False"
+    out = [c for c in conditions if c.get("type") != ctype]
+    old = next((c for c in conditions if c.get("type") == ctype), None)
+    changed = old is None or old.get("status") != value
+    out.append(
+        {
+            "type": ctype,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": _iso(now)
+            if changed or old is None
+            else old.get("lastTransitionTime"),
+            "observedGeneration": generation,
+        }
+    )
+    return sorted(out, key=lambda c: str(c["type"]))
+
+
+def _trainer_state(pod: Mapping[str, Any]) -> tuple[bool, int | None]:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") != manifests.TRAINER_NAME:
+            continue
+        state = cs.get("state") or {}
+        if "terminated" in state:
+            return False, int(state["terminated"].get("exitCode", 1))
+        return "running" in state, None
+    return False, None
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> bool:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return True
+    return False
+
+
+def _attempt_of(pod: Mapping[str, Any]) -> int:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    try:
+        return int(labels.get(manifests.ATTEMPT_LABEL, -1))
+    except ValueError:
+        return -1
+
+
+def _rank_of(pod: Mapping[str, Any]) -> int:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    try:
+        return int(labels.get(manifests.RANK_LABEL, -1))
+    except ValueError:
+        return -1
+
+
+class Reconciler:
+    """Drives TrainingJobs; shared by every job's daemon."""
+
+    def __init__(
+        self,
+        *,
+        kube: Kube,
+        sidecars: SidecarClient,
+        cluster: ClusterView,
+        metrics: Metrics,
+        config: OperatorConfig,
+        post_event: EventPoster,
+    ) -> None:
+        self._kube = kube
+        self._sidecars = sidecars
+        self._cluster = cluster
+        self._metrics = metrics
+        self._config = config
+        self._post = post_event
+
+    # ----------------------------------------------------------------- entry point
+
+    async def tick(self, namespace: str, name: str, memory: JobMemory) -> bool:
+        """Reconcile once; False when the job is gone or finished (the daemon may stop)."""
+        job = await self._kube.get_job(namespace, name)
+        if job is None:
+            return False
+        spec = JobSpec.from_body(job)
+        status: dict[str, Any] = dict(job.get("status") or {})
+        phase = Phase(status["phase"]) if status.get("phase") else None
+        now = _now()
+        if phase is None:
+            await self._start(job, spec, now)
+            return True
+        pods = await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
+        if phase in (Phase.SUCCEEDED, Phase.FAILED):
+            if phase is Phase.FAILED:
+                await self._delete_pods(spec, [p for p in pods if not self._finished(p)], now)
+            return False
+        if memory.token is None:
+            memory.token = await self._kube.read_secret_key(
+                namespace, manifests.secret_name(spec.name), manifests.TOKEN_KEY
+            )
+        attempt = int(status.get("attempt", 0))
+        current = {_rank_of(p): p for p in pods if _attempt_of(p) == attempt}
+        stale = [p for p in pods if _attempt_of(p) != attempt]
+        t = _Tick(job=job, spec=spec, status=status, current=current, memory=memory, now=now)
+        if phase is Phase.RESTARTING:
+            await self._restarting(t, stale)
+            return True
+        if stale:
+            await self._delete_pods(spec, stale, now)
+        replicas = int(status.get("replicas") or spec.replicas)
+        views = [
+            self._view(spec.name, rank, current.get(rank), status, now) for rank in range(replicas)
+        ]
+        t.views = views
+        if phase is Phase.CHECKPOINTING:
+            await self._checkpointing(t)
+            return True
+        await self._ensure_pods(spec, status, current, replicas, now)
+        notice = self._notice(current, now)
+        if notice is not None:
+            await self._begin_checkpoint(t, phase, notice)
+            return True
+        await self._progress(t)
+        outcome, detail = lifecycle.classify(views, replicas)
+        await self._act(t, phase, outcome, detail)
+        return True
+
+    # ----------------------------------------------------------------- observation
+
+    def _finished(self, pod: Mapping[str, Any]) -> bool:
+        return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+    def _view(
+        self,
+        job: str,
+        rank: int,
+        pod: Mapping[str, Any] | None,
+        status: Mapping[str, Any],
+        now: datetime,
+    ) -> RankView:
+        attempt = int(status.get("attempt", 0))
+        name = manifests.pod_name(job, attempt, rank)
+        if pod is None:
+            # Missing is only a fault once the attempt's pods were all created (masterAddr is
+            # recorded after that); before, the pod simply does not exist yet.
+            return RankView(rank=rank, pod=name, exists=not status.get("masterAddr"))
+        meta = pod.get("metadata") or {}
+        pstatus = pod.get("status") or {}
+        node = (pod.get("spec") or {}).get("nodeName")
+        running, exit_code = _trainer_state(pod)
+        return RankView(
+            rank=rank,
+            pod=str(meta.get("name", name)),
+            phase=str(pstatus.get("phase", "Pending")),
+            node=node,
+            ip=pstatus.get("podIP"),
+            exit_code=exit_code,
+            running=running,
+            unschedulable=_unschedulable(pod),
+            node_lost=self._cluster.node_lost(node, now=now),
+            deleting=bool(meta.get("deletionTimestamp")),
+        )
+
+    def _notice(self, current: Mapping[int, Mapping[str, Any]], now: datetime) -> Notice | None:
+        found: list[Notice] = []
+        for pod in current.values():
+            if self._finished(pod):
+                continue
+            node = (pod.get("spec") or {}).get("nodeName")
+            if not node:
+                continue
+            found.extend(self._cluster.notices_on(node))
+            pn = pod_notice(pod, now=now, graces=self._config.graces)
+            # A DisruptionTarget on a pod whose node is not Ready is the node's loss being
+            # cleaned up (taint eviction), not an advance notice: it is handled as a failure.
+            if pn is not None and self._cluster.node_ready(node):
+                found.append(pn)
+        return earliest(found)
+
+    # ----------------------------------------------------------------- actions
+
+    async def _patch(self, spec: JobSpec, status: dict[str, Any]) -> None:
+        status.setdefault("observedGeneration", spec.generation)
+        await self._kube.patch_job_status(spec.namespace, spec.name, status)
+
+    async def _event(self, job: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        _log.info("%s/%s: %s: %s", job["metadata"]["namespace"], job["metadata"]["name"],
+                  reason, message)  # fmt: skip
+        try:
+            await self._post(job, kind, reason, message)
+        except Exception:  # an Event is best effort; never let it stop the reconcile
+            _log.warning("could not post Event %s", reason, exc_info=False)
+
+    async def _start(self, job: Mapping[str, Any], spec: JobSpec, now: datetime) -> None:
+        token = secrets.token_urlsafe(32)
+        await self._kube.create_secret(spec.namespace, manifests.token_secret_manifest(spec, token))
+        await self._kube.create_service(spec.namespace, manifests.service_manifest(spec))
+        conditions = _set_condition(
+            [], "Ready", False, "Starting", "creating the first attempt's pods",
+            now=now, generation=spec.generation,
+        )  # fmt: skip
+        await self._patch(
+            spec,
+            {
+                "phase": Phase.PENDING.value,
+                "attempt": 0,
+                "replicas": spec.replicas,
+                "worldSize": spec.replicas * spec.procs_per_replica,
+                "preemptions": 0,
+                "failures": 0,
+                "stepsLost": 0,
+                "avoidNodes": [],
+                "attemptStartedAt": _iso(now),
+                "message": "creating the first attempt's pods",
+                "conditions": conditions,
+            },
+        )
+        self._metrics.failure_budget.labels(spec.namespace, spec.name).set(spec.max_failures)
+        await self._event(
+            job, "Normal", "Created",
+            f"starting {spec.replicas} replicas x {spec.procs_per_replica} processes",
+        )  # fmt: skip
+
+    async def _ensure_pods(
+        self,
+        spec: JobSpec,
+        status: Mapping[str, Any],
+        current: Mapping[int, Mapping[str, Any]],
+        replicas: int,
+        now: datetime,
+    ) -> None:
+        attempt = int(status.get("attempt", 0))
+        resume = status.get("resumedFromStep")
+        avoid = list(status.get("avoidNodes") or [])
+        resume_step = None if resume is None else int(resume)
+        master = status.get("masterAddr")
+        if master:
+            return
+        rank0 = current.get(0)
+        if rank0 is None:
+            await self._kube.create_pod(
+                spec.namespace,
+                manifests.pod_manifest(
+                    spec,
+                    self._config,
+                    attempt=attempt,
+                    rank=0,
+                    replicas=replicas,
+                    master_addr=None,
+                    resume_step=resume_step,
+                    avoid_nodes=avoid,
+                ),
+            )
+            return
+        ip = (rank0.get("status") or {}).get("podIP")
+        if not ip:
+            return
+        for rank in range(1, replicas):
+            if rank not in current:
+                await self._kube.create_pod(
+                    spec.namespace,
+                    manifests.pod_manifest(
+                        spec,
+                        self._config,
+                        attempt=attempt,
+                        rank=rank,
+                        replicas=replicas,
+                        master_addr=ip,
+                        resume_step=resume_step,
+                        avoid_nodes=avoid,
+                    ),
+                )
+        await self._patch(spec, {"masterAddr": ip})
+
+    async def _delete_pods(
+        self, spec: JobSpec, pods: Sequence[Mapping[str, Any]], now: datetime
+    ) -> None:
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            node = (pod.get("spec") or {}).get("nodeName")
+            lost = self._cluster.node_lost(node, now=now) or (
+                node is not None and node in self._cluster.deleted
+            )
+            if meta.get("deletionTimestamp") and not lost:
+                continue  # already going, gracefully
+            # A pod on a lost node never finishes a graceful delete (no kubelet to confirm):
+            # remove it at once; its replacement has another name and another node.
+            grace = 0 if lost else self._config.delete_grace_seconds
+            await self._kube.delete_pod(spec.namespace, str(meta["name"]), grace_seconds=grace)
+
+    async def _restart(
+        self,
+        job: Mapping[str, Any],
+        spec: JobSpec,
+        status: Mapping[str, Any],
+        *,
+        kind: str,
+        resume_step: int | None,
+        detail: str,
+        now: datetime,
+        current: Mapping[int, Mapping[str, Any]],
+        replicas: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        plan = lifecycle.plan_restart(
+            spec,
+            kind=kind,
+            attempt=int(status.get("attempt", 0)),
+            preemptions=int(status.get("preemptions", 0)),
+            failures=int(status.get("failures", 0)),
+            resume_step=resume_step,
+            now=now,
+            replicas=replicas,
+            detail=detail,
+        )
+        conditions = list(status.get("conditions") or [])
+        conditions = _set_condition(conditions, "Checkpointing", False, "Done", plan.message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        conditions = _set_condition(conditions, "Ready", False, "Restarting", plan.message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        patch: dict[str, Any] = {
+            "phase": plan.phase.value,
+            "attempt": plan.attempt,
+            "replicas": plan.replicas,
+            "worldSize": plan.replicas * spec.procs_per_replica,
+            "preemptions": plan.preemptions,
+            "failures": plan.failures,
+            "resumedFromStep": plan.resume_step,
+            "restartReason": plan.reason,
+            "restartAfter": None if plan.restart_after is None else _iso(plan.restart_after),
+            "masterAddr": None,
+            "notice": None,
+            "unschedulableSince": None,
+            "message": plan.message,
+            **(extra or {}),
+        }
+        if plan.exhausted:
+            reason = "FailureBudgetExhausted" if kind == "failure" else "PreemptionBudgetExhausted"
+            conditions = _set_condition(conditions, "Failed", True, reason, plan.message,
+                                        now=now, generation=spec.generation)  # fmt: skip
+        patch["conditions"] = conditions
+        # The decision is durable before anything is deleted: a restarted operator resumes it.
+        await self._patch(spec, patch)
+        self._metrics.failure_budget.labels(spec.namespace, spec.name).set(
+            max(0, spec.max_failures - plan.failures)
+        )
+        if plan.exhausted:
+            await self._event(job, "Warning", "Failed", plan.message)
+        else:
+            self._metrics.restarts.labels(spec.namespace, spec.name, plan.reason).inc()
+            if kind == "preemption":
+                self._metrics.preemptions.labels(spec.namespace, spec.name).inc()
+            await self._event(
+                job, "Warning" if kind == "failure" else "Normal", "Restarting", plan.message
+            )
+        await self._delete_pods(spec, list(current.values()), now)
+
+    async def _restarting(
+        self,
+        t: _Tick,
+        stale: Sequence[Mapping[str, Any]],
+    ) -> None:
+        spec, status, current, now = t.spec, t.status, t.current, t.now
+        if stale:
+            # The old attempt's pods must be fully gone before the new ones start: two
+            # generations of ranks must never share a checkpoint directory or a rendezvous.
+            await self._delete_pods(spec, stale, now)
+            return
+        after = parse_time(status.get("restartAfter"))
+        if after is not None and now < after:
+            return
+        replicas = int(status.get("replicas") or spec.replicas)
+        resume = status.get("resumedFromStep")
+        message = f"attempt {status.get('attempt')}: starting {replicas} replicas " + (
+            "from scratch" if resume is None else f"from step {resume}"
+        )
+        await self._patch(
+            spec,
+            {
+                "phase": Phase.PENDING.value,
+                "attemptStartedAt": _iso(now),
+                "restartAfter": None,
+                "message": message,
+            },
+        )
+        await self._ensure_pods(spec, {**status, "masterAddr": None}, current, replicas, now)
+
+    async def _begin_checkpoint(
+        self,
+        t: _Tick,
+        phase: Phase,
+        notice: Notice,
+    ) -> None:
+        job, spec, status, current, now = t.job, t.spec, t.status, t.current, t.now
+        noticed_nodes = sorted(
+            {
+                str((p.get("spec") or {}).get("nodeName"))
+                for p in current.values()
+                if (p.get("spec") or {}).get("nodeName")
+                and (
+                    self._cluster.notices_on(str(p["spec"]["nodeName"]))
+                    or pod_notice(p, now=now, graces=self._config.graces)
+                )
+            }
+        )
+        avoid = sorted(set(status.get("avoidNodes") or []) | set(noticed_nodes) | {notice.node})
+        avoid = [n for n in avoid if n]
+        if notice.source == "disruption-target":
+            self._metrics.notices.labels(notice.source).inc()
+        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
+        if phase is not Phase.RUNNING:
+            # Nothing has trained since the last commit: move at once.
+            await self._event(
+                job, "Normal", "EvictionNotice",
+                f"{notice.reason} on node {notice.node} before the attempt was running; "
+                "moving the job to other nodes",
+            )  # fmt: skip
+            await self._restart(
+                job, spec, status, kind="preemption",
+                resume_step=None if last is None else last.step,
+                detail=f"{notice.source} notice on {notice.node} before start",
+                now=now, current=current, extra={"avoidNodes": avoid},
+            )  # fmt: skip
+            return
+        deadline = max(
+            notice.deadline, now + timedelta(seconds=self._config.min_checkpoint_window_seconds)
+        )
+        message = (
+            f"{notice.reason} on node {notice.node}: asking all "
+            f"{len(current)} ranks to checkpoint before {_iso(deadline)}"
+        )
+        conditions = _set_condition(
+            list(status.get("conditions") or []), "Checkpointing", True, "EvictionNotice",
+            message, now=now, generation=spec.generation,
+        )  # fmt: skip
+        await self._patch(
+            spec,
+            {
+                "phase": Phase.CHECKPOINTING.value,
+                "avoidNodes": avoid,
+                "notice": {
+                    "source": notice.source,
+                    "nodes": noticed_nodes or [notice.node],
+                    "reason": notice.reason,
+                    "deadline": _iso(deadline),
+                    "receivedAt": _iso(now),
+                },
+                "message": message,
+                "conditions": conditions,
+            },
+        )
+        await self._event(job, "Warning", "EvictionNotice", message)
+
+    async def _checkpointing(
+        self,
+        t: _Tick,
+    ) -> None:
+        job, spec, status, current, now, memory, views = (
+            t.job,
+            t.spec,
+            t.status,
+            t.current,
+            t.now,
+            t.memory,
+            t.views,
+        )
+        notice = dict(status.get("notice") or {})
+        deadline = parse_time(notice.get("deadline")) or now
+        received = parse_time(notice.get("receivedAt")) or now
+        token = memory.token or ""
+        replicas = len(views)
+        if all(v.exit_code == 0 for v in views):
+            await self._succeed(job, spec, status, now, current)
+            return
+        ids: list[str] = list(notice.get("requestIds") or [])
+        if not notice.get("requestedAt"):
+            ids = []
+            for v in views:
+                rid = ""
+                if v.ip and v.exit_code is None:
+                    try:
+                        rid = await self._sidecars.request_checkpoint(
+                            v.ip, token, deadline=deadline,
+                            reason=f"{notice.get('source')}: {notice.get('reason')}",
+                        )  # fmt: skip
+                    except SidecarError as e:
+                        _log.warning("checkpoint request to rank %d failed: %s", v.rank, e)
+                ids.append(rid)
+            await self._patch(spec, {"notice": {"requestedAt": _iso(now), "requestIds": ids}})
+        reports: dict[int, SidecarStatus | None] = {}
+        gone: list[int] = []
+        for v in views:
+            report: SidecarStatus | None = None
+            if v.ip and not v.node_lost:
+                try:
+                    report = await self._sidecars.status(v.ip, token)
+                except SidecarError as e:
+                    _log.info("rank %d status: %s", v.rank, e)
+            expected = ids[v.rank] if v.rank < len(ids) else ""
+            if report is not None and expected and report.request_id not in (expected, None):
+                report = None  # an older save's report, not the answer to our request
+            reports[v.rank] = report
+            if v.node_lost or not v.exists or (report is None and v.exit_code is not None):
+                gone.append(v.rank)
+        verdict = lifecycle.checkpoint_verdict(
+            reports, replicas=replicas, now=now, deadline=deadline, unreachable_is_final=gone
+        )
+        if verdict.kind is VerdictKind.WAIT:
+            return
+        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
+        if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
+            checkpoint = LastCheckpoint(
+                step=verdict.step,
+                uri=verdict.uri or spec.checkpoint_uri,
+                trigger="notice",
+                completed_at=_iso(now),
+                seconds=verdict.seconds,
+            )
+            key = (spec.namespace, spec.name)
+            self._metrics.notice_to_commit.labels(*key).observe((now - received).total_seconds())
+            self._metrics.deadline_margin.labels(*key).observe((deadline - now).total_seconds())
+            self._metrics.last_checkpoint.labels(*key).set(now.timestamp())
+            self._metrics.steps_lost.labels(*key).observe(0)
+            await self._event(
+                job, "Normal", "CheckpointCommitted",
+                f"all {replicas} ranks committed step {verdict.step} "
+                f"{(now - received).total_seconds():.1f}s after the notice; "
+                f"moving off node(s) {', '.join(notice.get('nodes') or [])}",
+            )  # fmt: skip
+            await self._restart(
+                job, spec, status, kind="preemption", resume_step=verdict.step,
+                detail=f"{notice.get('source')} notice, checkpoint at step {verdict.step}",
+                now=now, current=current,
+                extra={"lastCheckpoint": checkpoint.to_status()},
+            )  # fmt: skip
+            return
+        # Fall back to the newest step every rank is known to have committed.
+        best = self._best_known_step(reports, last)
+        message = (
+            f"checkpoint before the notice did not complete ({verdict.reason}); resuming from "
+            + ("the start (no checkpoint was committed yet)" if best is None else
+               f"the last committed step {best}; work after it is recomputed")
+        )  # fmt: skip
+        await self._event(job, "Warning", "CheckpointFallback", message)
+        extra: dict[str, Any] = {}
+        if best is not None and (last is None or best > last.step):
+            extra["lastCheckpoint"] = LastCheckpoint(
+                step=best, uri=spec.checkpoint_uri, trigger="periodic", completed_at=_iso(now)
+            ).to_status()
+        await self._restart(
+            job, spec, status, kind="preemption", resume_step=best,
+            detail=f"{notice.get('source')} notice, {verdict.reason}", now=now,
+            current=current, extra=extra,
+        )  # fmt: skip
+
+    @staticmethod
+    def _best_known_step(
+        reports: Mapping[int, SidecarStatus | None], last: LastCheckpoint | None
+    ) -> int | None:
+        rank0 = reports.get(0)
+        steps = [last.step] if last is not None else []
+        if rank0 is not None and rank0.last_committed_step is not None:
+            steps.append(rank0.last_committed_step)
+        return max(steps) if steps else None
+
+    async def _progress(
+        self,
+        t: _Tick,
+    ) -> None:
+        """Learn periodic commits from rank 0's sidecar (rank 0 writes the manifest)."""
+        spec, status, current, now, memory = t.spec, t.status, t.current, t.now, t.memory
+        if memory.next_progress_poll is not None and now < memory.next_progress_poll:
+            return
+        memory.next_progress_poll = now + timedelta(seconds=self._config.progress_poll_seconds)
+        await self._learn_commit(spec, status, current, memory, now)
+
+    async def _learn_commit(
+        self,
+        spec: JobSpec,
+        status: Mapping[str, Any],
+        current: Mapping[int, Mapping[str, Any]],
+        memory: JobMemory,
+        now: datetime,
+    ) -> int | None:
+        rank0 = current.get(0)
+        ip = (rank0 or {}).get("status", {}).get("podIP") if rank0 else None
+        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
+        if not ip or memory.token is None:
+            return None if last is None else last.step
+        try:
+            report = await self._sidecars.status(ip, memory.token)
+        except SidecarError:
+            return None if last is None else last.step
+        step = report.committed_step
+        if step is not None and (last is None or step > last.step):
+            checkpoint = LastCheckpoint(
+                step=step,
+                uri=report.uri or spec.checkpoint_uri,
+                trigger=report.trigger or "periodic",
+                completed_at=_iso(now),
+                seconds=report.seconds,
+            )
+            await self._patch(spec, {"lastCheckpoint": checkpoint.to_status()})
+            self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
+            return step
+        return None if last is None else last.step
+
+    async def _succeed(
+        self,
+        job: Mapping[str, Any],
+        spec: JobSpec,
+        status: Mapping[str, Any],
+        now: datetime,
+        current: Mapping[int, Mapping[str, Any]],
+    ) -> None:
+        message = f"all {len(current)} ranks finished training"
+        conditions = list(status.get("conditions") or [])
+        conditions = _set_condition(conditions, "Ready", False, "Succeeded", message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        conditions = _set_condition(conditions, "Succeeded", True, "Succeeded", message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        conditions = _set_condition(conditions, "Checkpointing", False, "Done", message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        await self._patch(
+            spec,
+            {"phase": Phase.SUCCEEDED.value, "message": message, "notice": None,
+             "conditions": conditions},
+        )  # fmt: skip
+        await self._event(job, "Normal", "Succeeded", message)
+
+    async def _act(
+        self,
+        t: _Tick,
+        phase: Phase,
+        outcome: Outcome,
+        detail: str,
+    ) -> None:
+        job, spec, status, current, now, memory = (
+            t.job,
+            t.spec,
+            t.status,
+            t.current,
+            t.now,
+            t.memory,
+        )
+        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
+        resume = None if last is None else last.step
+        if outcome is Outcome.SUCCEEDED:
+            await self._succeed(job, spec, status, now, current)
+        elif outcome in (Outcome.FAILED, Outcome.NODE_LOST):
+            await self._restart(
+                job, spec, status, kind="failure", resume_step=resume, detail=detail,
+                now=now, current=current,
+            )  # fmt: skip
+        elif outcome is Outcome.PREEMPTED:
+            # The rank saved on its own (SIGTERM or a cloud notice its sidecar saw): ask the
+            # survivors' rank 0 what it committed, then resume there.
+            learned = await self._learn_commit(spec, status, current, memory, now)
+            await self._restart(
+                job, spec, status, kind="preemption",
+                resume_step=learned if learned is not None else resume,
+                detail=detail, now=now, current=current,
+            )  # fmt: skip
+        elif outcome is Outcome.UNSCHEDULABLE:
+            await self._maybe_shrink(t, detail)
+        elif outcome is Outcome.RUNNING and phase is Phase.PENDING:
+            resume_txt = "" if status.get("resumedFromStep") is None else (
+                f", resumed from step {status.get('resumedFromStep')}"
+            )  # fmt: skip
+            message = f"attempt {status.get('attempt')}: {detail}{resume_txt}"
+            conditions = _set_condition(
+                list(status.get("conditions") or []), "Ready", True, "Running", message,
+                now=now, generation=spec.generation,
+            )  # fmt: skip
+            await self._patch(
+                spec,
+                {"phase": Phase.RUNNING.value, "message": message, "conditions": conditions,
+                 "unschedulableSince": None},
+            )  # fmt: skip
+            await self._event(job, "Normal", "Running", message)
+
+    async def _maybe_shrink(
+        self,
+        t: _Tick,
+        detail: str,
+    ) -> None:
+        job, spec, status, current, now = t.job, t.spec, t.status, t.current, t.now
+        since = parse_time(status.get("unschedulableSince"))
+        if since is None:
+            await self._patch(spec, {"unschedulableSince": _iso(now), "message": detail})
+            return
+        replicas = int(status.get("replicas") or spec.replicas)
+        if now - since < timedelta(seconds=spec.elastic_wait_seconds):
+            return
+        usable = self._cluster.usable_nodes(set(status.get("avoidNodes") or []))
+        target = lifecycle.elastic_replicas(spec, current=replicas, usable_nodes=usable)
+        if target is None:
+            return
+        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
+        await self._restart(
+            job, spec, status, kind="elastic",
+            resume_step=None if last is None else last.step,
+            detail=f"{detail} for {spec.elastic_wait_seconds:.0f}s; shrinking from {replicas} "
+            f"to {target} replicas ({usable} usable nodes)",
+            now=now, current=current, replicas=target,
+            # Noticed nodes are gone or going; a shrunk job may use any node that is left.
+            extra={"avoidNodes": []},
+        )  # fmt: skip

@@ -1,0 +1,167 @@
+"""The kopf handlers: thin. They wire kopf's watches to the Reconciler and decide nothing.
+
+- One daemon per TrainingJob runs ``Reconciler.tick`` about once a second, until the job
+  is Succeeded, Failed or deleted. kopf restarts the daemons when the operator restarts, and
+  the tick carries on from the job's status (the controller's docstring says how).
+- The Node watch feeds :class:`ClusterView` (readiness and notices).
+- The Pod watch (Baton's pods only) wakes a job's daemon as soon as a pod gets a
+  ``DisruptionTarget`` condition, instead of at its next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+
+from . import kube as kube_mod
+from . import metrics as metrics_mod
+from . import notices, watches
+from .controller import ClusterView, JobMemory, Reconciler
+from .errors import BatonOperatorError
+from .settings import OperatorConfig
+from .sidecars import SidecarClient
+
+__all__ = ["configure"]
+
+_ANNOTATION_PREFIX = "baton.dev"
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Apply ``config`` to kopf's settings (also used by the tests to check them)."""
+    # Watches stall silently without both timeouts (kopf#955, #957, #585).
+    settings.watching.server_timeout = config.watch_server_timeout_seconds
+    settings.watching.client_timeout = config.watch_client_timeout_seconds
+    settings.watching.connect_timeout = config.watch_connect_timeout_seconds
+    # kopf's bookkeeping goes to annotations, so status holds only what the CRD declares.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=_ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=_ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{_ANNOTATION_PREFIX}/operator"
+    # No CRD/namespace scanning: it would need list/watch on both, and Baton's resources are
+    # known at startup.
+    settings.scanning.disabled = True
+    settings.peering.name = config.peering_name
+    settings.peering.standalone = config.standalone
+    settings.peering.clusterwide = not config.namespaces
+    # Our Events are written on purpose (kopf.event); kopf's own log lines are not turned
+    # into Events, so nothing from a traceback or a request can leak into one.
+    settings.posting.level = logging.CRITICAL
+    settings.posting.reporting_component = "baton-operator"
+
+
+def _config(memo: Mapping[str, Any]) -> OperatorConfig:
+    config = memo.get("config")
+    if not isinstance(config, OperatorConfig):
+        raise kopf.PermanentError("baton-operator started without its config in the memo")
+    return config
+
+
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config = _config(memo)
+    configure(settings, config)
+    metrics = metrics_mod.Metrics()
+    memo["metrics"] = metrics
+    memo["metrics_runner"] = await metrics_mod.serve(metrics, port=config.metrics_port)
+    sidecars = SidecarClient(
+        port=config.sidecar_port, timeout_seconds=config.sidecar_timeout_seconds
+    )
+    memo["sidecars"] = sidecars
+    cluster = ClusterView(config=config)
+    memo["cluster"] = cluster
+    memo["wakers"] = {}
+
+    async def post(job: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        # kopf only needs the object reference fields (apiVersion, kind, metadata).
+        kopf.event(
+            kopf.Body(cast(kopf.RawBody, dict(job))), type=kind, reason=reason, message=message
+        )
+
+    memo["reconciler"] = Reconciler(
+        kube=kube_mod.Kube(kube_mod.load_client(config.kubeconfig)),
+        sidecars=sidecars,
+        cluster=cluster,
+        metrics=metrics,
+        config=config,
+        post_event=post,
+    )
+
+
+@kopf.on.cleanup()
+async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+    sidecars = memo.get("sidecars")
+    if isinstance(sidecars, SidecarClient):
+        await sidecars.close()
+    runner = memo.get("metrics_runner")
+    if runner is not None:
+        await runner.cleanup()
+
+
+@kopf.daemon(*watches.JOBS.selector(), cancellation_timeout=10.0)
+async def _job_daemon(
+    *,
+    name: str,
+    namespace: str | None,
+    memo: Any,
+    stopped: kopf.DaemonStopped,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **_: Any,
+) -> None:
+    assert namespace is not None, "TrainingJob is namespaced"
+    config = _config(memo)
+    reconciler: Reconciler = memo["reconciler"]
+    wakers: dict[tuple[str, str], asyncio.Event] = memo["wakers"]
+    wake = wakers.setdefault((namespace, name), asyncio.Event())
+    memory = JobMemory()
+    try:
+        while not stopped:
+            try:
+                more = await reconciler.tick(namespace, name, memory)
+            except BatonOperatorError as e:
+                # Retry at the next tick: the API server or a sidecar may be back by then.
+                logger.warning("reconcile failed, retrying: %s", e)
+                more = True
+            if not more:
+                return
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=config.tick_seconds)
+    finally:
+        wakers.pop((namespace, name), None)
+
+
+@kopf.on.event(*watches.NODES.selector())
+async def _node_event(
+    event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    cluster: ClusterView = memo["cluster"]
+    name = str(body.get("metadata", {}).get("name", ""))
+    if event.get("type") == "DELETED":
+        cluster.remove_node(name)
+    else:
+        for notice in cluster.update_node(body, now=datetime.now(tz=UTC)):
+            memo["metrics"].notices.labels(notice.source).inc()
+            logger.info("notice on node %s: %s (deadline %s)", name, notice.reason, notice.deadline)
+    for waker in list(memo["wakers"].values()):
+        waker.set()
+
+
+@kopf.on.event(*watches.PODS.selector(), labels=dict(watches.MANAGED_BY))
+async def _pod_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    config = _config(memo)
+    notice = notices.pod_notice(body, now=datetime.now(tz=UTC), graces=config.graces)
+    if notice is None:
+        return
+    job = str(body.get("metadata", {}).get("labels", {}).get("baton.dev/job", ""))
+    waker = memo["wakers"].get((body.get("metadata", {}).get("namespace"), job))
+    if waker is not None:
+        waker.set()

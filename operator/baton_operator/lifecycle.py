@@ -1,0 +1,336 @@
+"""The TrainingJob state machine and its budgets, as pure functions.
+
+The controller observes (pods, sidecar reports, notices) and asks this module what to do; it
+never decides itself. Nothing here does I/O, so every transition and budget is unit-tested.
+
+Phases::
+
+    Pending ──all ranks running──▶ Running ──notice──▶ Checkpointing
+       ▲                             │  │                  │ committed / fallback
+       │                             │  └─crash, node lost─┤
+       └──── new attempt created ◀── Restarting ◀──────────┘
+    Running ──every rank exited 0──▶ Succeeded
+    any ──budget exhausted──▶ Failed
+
+A preemption (a notice the operator acted on, or a rank that exited after an emergency save)
+and a failure (a crash, an unannounced node loss) are counted separately, against
+``maxPreemptions`` and ``maxFailures``; only failures back off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Final
+
+from .model import JobSpec
+from .settings import EMERGENCY_EXIT_CODE
+from .sidecars import SidecarStatus
+
+__all__ = [
+    "ALLOWED",
+    "Outcome",
+    "Phase",
+    "RankView",
+    "RestartPlan",
+    "Verdict",
+    "VerdictKind",
+    "backoff_seconds",
+    "check_transition",
+    "checkpoint_verdict",
+    "classify",
+    "elastic_replicas",
+    "plan_restart",
+]
+
+
+class Phase(StrEnum):
+    """``status.phase``."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    CHECKPOINTING = "Checkpointing"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+ALLOWED: Final[Mapping[Phase, frozenset[Phase]]] = {
+    Phase.PENDING: frozenset(
+        {Phase.RUNNING, Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
+    ),
+    Phase.RUNNING: frozenset(
+        {Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
+    ),
+    Phase.CHECKPOINTING: frozenset({Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}),
+    Phase.RESTARTING: frozenset({Phase.PENDING, Phase.FAILED}),
+    Phase.SUCCEEDED: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+"""Every legal phase change. Succeeded and Failed are final."""
+
+
+def check_transition(current: Phase | None, new: Phase) -> Phase:
+    """Return ``new`` if the machine allows ``current -> new``; raise ValueError otherwise."""
+    if current is None:
+        if new is not Phase.PENDING:
+            raise ValueError(f"a new TrainingJob starts Pending, not {new}")
+        return new
+    if new is current:
+        return new
+    if new not in ALLOWED[current]:
+        raise ValueError(f"illegal phase change {current} -> {new}")
+    return new
+
+
+class Outcome(StrEnum):
+    """What the current attempt's pods say, most urgent first."""
+
+    FAILED = "failed"
+    """A rank exited non-zero (not the emergency code), or its pod failed or vanished."""
+    NODE_LOST = "node-lost"
+    """A rank's node is gone or unready without any notice."""
+    PREEMPTED = "preempted"
+    """A rank exited after an emergency save (exit code 75): a preemption, not a failure."""
+    SUCCEEDED = "succeeded"
+    """Every rank's trainer exited 0."""
+    UNSCHEDULABLE = "unschedulable"
+    """Some rank cannot be placed (for elastic shrink)."""
+    RUNNING = "running"
+    """Every rank is running."""
+    PENDING = "pending"
+    """Still starting."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankView:
+    """What the controller saw of one rank's pod (None fields: not known yet)."""
+
+    rank: int
+    pod: str
+    exists: bool = True
+    phase: str = "Pending"
+    node: str | None = None
+    ip: str | None = None
+    exit_code: int | None = None
+    """The trainer container's exit code once it terminated."""
+    running: bool = False
+    """The trainer container is running."""
+    unschedulable: bool = False
+    node_lost: bool = False
+    deleting: bool = False
+
+
+def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
+    """The attempt's outcome and a sentence for the on-call engineer."""
+    by_rank = {r.rank: r for r in ranks}
+    for r in sorted(ranks, key=lambda r: r.rank):
+        if r.exit_code is not None and r.exit_code not in (0, EMERGENCY_EXIT_CODE):
+            return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) exited with code {r.exit_code}"
+        if r.exists and r.phase == "Failed" and r.exit_code is None:
+            return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) failed before its trainer ran"
+        if not r.exists:
+            return Outcome.FAILED, f"rank {r.rank}'s pod {r.pod} disappeared"
+    for r in sorted(ranks, key=lambda r: r.rank):
+        if r.node_lost and r.exit_code is None:
+            return Outcome.NODE_LOST, f"rank {r.rank}'s node {r.node} was lost without notice"
+    emergency = [r.rank for r in ranks if r.exit_code == EMERGENCY_EXIT_CODE]
+    if emergency:
+        return Outcome.PREEMPTED, (
+            f"rank(s) {', '.join(map(str, emergency))} exited after an emergency save"
+        )
+    if len(by_rank) == replicas and all(r.exit_code == 0 for r in ranks):
+        return Outcome.SUCCEEDED, f"all {replicas} ranks finished training"
+    stuck = [r.rank for r in ranks if r.unschedulable]
+    if stuck:
+        return Outcome.UNSCHEDULABLE, (
+            f"rank(s) {', '.join(map(str, stuck))} cannot be scheduled on any node"
+        )
+    if len(by_rank) == replicas and all(r.running or r.exit_code == 0 for r in ranks):
+        return Outcome.RUNNING, f"all {replicas} ranks are running"
+    return Outcome.PENDING, "waiting for pods to start"
+
+
+def backoff_seconds(failures: int, *, base: float, ceiling: float) -> float:
+    """Delay before the restart that follows the ``failures``-th failure (1-based)."""
+    if failures <= 0 or base <= 0:
+        return 0.0
+    return float(min(ceiling, base * 2 ** (failures - 1)))
+
+
+class VerdictKind(StrEnum):
+    """What a checkpoint request has come to."""
+
+    WAIT = "wait"
+    COMMITTED = "committed"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The result of :func:`checkpoint_verdict`."""
+
+    kind: VerdictKind
+    step: int | None = None
+    seconds: float | None = None
+    uri: str | None = None
+    reason: str = ""
+
+
+def checkpoint_verdict(
+    reports: Mapping[int, SidecarStatus | None],
+    *,
+    replicas: int,
+    now: datetime,
+    deadline: datetime,
+    unreachable_is_final: Iterable[int] = (),
+) -> Verdict:
+    """Have all ranks committed one step, or is it time to fall back?
+
+    ``reports`` maps rank -> the sidecar's status (None: no answer). ``unreachable_is_final``
+    lists ranks whose pod or node is gone, so waiting for them is pointless.
+    """
+    gone = set(unreachable_is_final)
+    for rank in range(replicas):
+        report = reports.get(rank)
+        if report is None and rank in gone:
+            return Verdict(
+                kind=VerdictKind.FALLBACK,
+                reason=f"rank {rank}'s pod or node is gone, it cannot save",
+            )
+        if report is not None and report.state in ("failed", "skipped"):
+            detail = f": {report.error}" if report.error else ""
+            return Verdict(
+                kind=VerdictKind.FALLBACK,
+                reason=f"rank {rank} reported the save {report.state}{detail}",
+            )
+    committed = [reports.get(r) for r in range(replicas)]
+    if all(r is not None and r.state == "committed" for r in committed):
+        steps = {r.step for r in committed if r is not None}
+        if len(steps) == 1 and None not in steps:
+            step = steps.pop()
+            assert step is not None
+            seconds = max((r.seconds or 0.0) for r in committed if r is not None)
+            uri = next((r.uri for r in committed if r is not None and r.uri), None)
+            return Verdict(kind=VerdictKind.COMMITTED, step=step, seconds=seconds, uri=uri)
+        return Verdict(
+            kind=VerdictKind.FALLBACK,
+            reason=f"ranks committed different steps {sorted(map(str, steps))}",
+        )
+    if now > deadline:
+        waiting = [r for r in range(replicas) if (reports.get(r) or None) is None]
+        return Verdict(
+            kind=VerdictKind.FALLBACK,
+            reason="the deadline passed before every rank committed"
+            + (f" (no answer from rank(s) {waiting})" if waiting else ""),
+        )
+    return Verdict(kind=VerdictKind.WAIT)
+
+
+def elastic_replicas(spec: JobSpec, *, current: int, usable_nodes: int) -> int | None:
+    """How many replicas to shrink to, or None when the job may not (or need not) shrink.
+
+    One rank per node (manifests.py spreads ranks), so ``usable_nodes`` bounds the replicas.
+    """
+    if spec.min_replicas is None or usable_nodes >= current:
+        return None
+    target = max(spec.min_replicas, usable_nodes)
+    return target if target < current else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartPlan:
+    """The status changes of a restart (or of the end of the job when a budget ran out)."""
+
+    phase: Phase
+    attempt: int
+    replicas: int
+    preemptions: int
+    failures: int
+    resume_step: int | None
+    restart_after: datetime | None
+    reason: str
+    """preemption, failure or elastic (the ``reason`` label of ``baton_restarts_total``)."""
+    message: str
+    exhausted: bool
+
+
+def plan_restart(
+    spec: JobSpec,
+    *,
+    kind: str,
+    attempt: int,
+    preemptions: int,
+    failures: int,
+    resume_step: int | None,
+    now: datetime,
+    replicas: int | None = None,
+    detail: str = "",
+) -> RestartPlan:
+    """Count the restart against its budget and say what the next attempt is.
+
+    ``kind`` is preemption, failure or elastic. A new attempt uses ``spec.replicas`` (grow
+    back) unless ``replicas`` is given (an elastic shrink).
+    """
+    if kind not in ("preemption", "failure", "elastic"):
+        raise ValueError(f"unknown restart kind {kind!r}: use preemption, failure or elastic")
+    if kind == "preemption":
+        preemptions += 1
+    elif kind == "failure":
+        failures += 1
+    resume = "from scratch" if resume_step is None else f"from step {resume_step}"
+    if failures > spec.max_failures:
+        return RestartPlan(
+            phase=Phase.FAILED,
+            attempt=attempt,
+            replicas=replicas or spec.replicas,
+            preemptions=preemptions,
+            failures=failures,
+            resume_step=resume_step,
+            restart_after=None,
+            reason=kind,
+            message=(
+                f"failure budget exhausted: {failures} failures > maxFailures "
+                f"{spec.max_failures} (last: {detail}); fix the cause, then raise "
+                "spec.failurePolicy.maxFailures or re-create the job"
+            ),
+            exhausted=True,
+        )
+    if preemptions > spec.max_preemptions:
+        return RestartPlan(
+            phase=Phase.FAILED,
+            attempt=attempt,
+            replicas=replicas or spec.replicas,
+            preemptions=preemptions,
+            failures=failures,
+            resume_step=resume_step,
+            restart_after=None,
+            reason=kind,
+            message=(
+                f"preemption budget exhausted: {preemptions} preemptions > maxPreemptions "
+                f"{spec.max_preemptions}; consider on-demand nodes or raise "
+                "spec.failurePolicy.maxPreemptions"
+            ),
+            exhausted=True,
+        )
+    delay = (
+        backoff_seconds(failures, base=spec.backoff_seconds, ceiling=spec.max_backoff_seconds)
+        if kind == "failure"
+        else 0.0
+    )
+    after = now + timedelta(seconds=delay) if delay > 0 else None
+    wait = f" after a {delay:.0f}s backoff" if delay > 0 else ""
+    return RestartPlan(
+        phase=Phase.RESTARTING,
+        attempt=attempt + 1,
+        replicas=replicas or spec.replicas,
+        preemptions=preemptions,
+        failures=failures,
+        resume_step=resume_step,
+        restart_after=after,
+        reason=kind,
+        message=f"restarting ({kind}: {detail}) {resume}{wait}",
+        exhausted=False,
+    )

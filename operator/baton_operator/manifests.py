@@ -1,0 +1,365 @@
+"""Pure builders for everything the operator creates: pods, the headless Service, the Secret.
+
+Names are deterministic (``<job>-a<attempt>-r<rank>``), so a handler that runs twice creates
+nothing twice, and an operator restarted mid-flow finds (adopts) what its previous life made.
+
+Rendezvous without DNS: rank 0's pod is created first and reads its own IP through the
+downward API (``status.podIP``); the other ranks are created once rank 0 has an IP and get it
+as a literal ``MASTER_ADDR``. A pod IP needs no DNS record, so there is no race between a pod
+starting and its name resolving, in a real cluster or in the local one (which has no DNS).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from . import crd
+from .model import JobSpec
+from .settings import OperatorConfig
+
+__all__ = [
+    "ATTEMPT_LABEL",
+    "CONTROL_DIR",
+    "CONTROL_VOLUME",
+    "JOB_LABEL",
+    "MANAGED_BY_LABEL",
+    "RANK_LABEL",
+    "SIDECAR_NAME",
+    "TOKEN_DIR",
+    "TOKEN_KEY",
+    "TOKEN_VOLUME",
+    "TRAINER_NAME",
+    "job_selector",
+    "owner_reference",
+    "pod_labels",
+    "pod_manifest",
+    "pod_name",
+    "secret_name",
+    "service_manifest",
+    "token_secret_manifest",
+]
+
+JOB_LABEL: Final = "baton.dev/job"
+ATTEMPT_LABEL: Final = "baton.dev/attempt"
+RANK_LABEL: Final = "baton.dev/rank"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "baton"
+
+TRAINER_NAME: Final = "trainer"
+SIDECAR_NAME: Final = "baton-sidecar"
+CONTROL_VOLUME: Final = "baton-control"
+CONTROL_DIR: Final = "/var/run/baton/control"
+TOKEN_VOLUME: Final = "baton-token"  # noqa: S105 (a volume name, not a secret)
+TOKEN_DIR: Final = "/var/run/baton/token"  # noqa: S105 (a mount path)
+TOKEN_KEY: Final = "token"  # noqa: S105 (a key name)
+
+# Every env name the operator owns in the trainer: a user value of the same name is dropped,
+# because a wrong RANK or MASTER_ADDR would hang or corrupt the job.
+_CONTRACT_ENV: Final = frozenset(
+    {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
+        "MASTER_ADDR", "MASTER_PORT", "POD_IP", "BATON_CHECKPOINT_URI", "BATON_RESUME_STEP",
+        "BATON_JOB", "BATON_ATTEMPT", "BATON_CONTROL_DIR", "BATON_EVERY_STEPS",
+        "BATON_EVERY_SECONDS", "BATON_KEEP_LAST",
+    }
+)  # fmt: skip
+
+_RESTRICTED_CONTAINER: Final = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+_RESTRICTED_POD: Final = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pod_name(job: str, attempt: int, rank: int) -> str:
+    """The deterministic pod name of one rank of one attempt."""
+    return f"{job}-a{attempt}-r{rank}"
+
+
+def secret_name(job: str) -> str:
+    """The per-job sidecar token Secret (docs/contracts.md)."""
+    return f"{job}-sidecar-token"
+
+
+def job_selector(job: str, attempt: int | None = None) -> str:
+    """A label selector for a job's pods (optionally one attempt's)."""
+    sel = f"{JOB_LABEL}={job},{MANAGED_BY_LABEL}={MANAGED_BY}"
+    return sel if attempt is None else f"{sel},{ATTEMPT_LABEL}={attempt}"
+
+
+def pod_labels(job: str, attempt: int, rank: int) -> dict[str, str]:
+    """The contract labels of a pod."""
+    return {
+        JOB_LABEL: job,
+        ATTEMPT_LABEL: str(attempt),
+        RANK_LABEL: str(rank),
+        MANAGED_BY_LABEL: MANAGED_BY,
+    }
+
+
+def owner_reference(spec: JobSpec) -> dict[str, Any]:
+    """Owned by the TrainingJob, so deleting the job garbage-collects everything it made.
+
+    No ``blockOwnerDeletion``: setting it needs ``update`` on ``trainingjobs/finalizers``,
+    a verb the operator would hold only for this.
+    """
+    return {
+        "apiVersion": f"{crd.GROUP}/{crd.VERSION}",
+        "kind": crd.KIND,
+        "name": spec.name,
+        "uid": spec.uid,
+        "controller": True,
+    }
+
+
+def token_secret_manifest(spec: JobSpec, token: str) -> dict[str, Any]:
+    """The Secret holding the bearer token the sidecars require (``stringData``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": secret_name(spec.name),
+            "namespace": spec.namespace,
+            "labels": {JOB_LABEL: spec.name, MANAGED_BY_LABEL: MANAGED_BY},
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def service_manifest(spec: JobSpec) -> dict[str, Any]:
+    """A headless Service over the job's pods (stable DNS for tools; not used to rendezvous)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "labels": {JOB_LABEL: spec.name, MANAGED_BY_LABEL: MANAGED_BY},
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: spec.name, MANAGED_BY_LABEL: MANAGED_BY},
+            "ports": [
+                {"name": "rendezvous", "port": spec.master_port, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _env(name: str, value: object) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _trainer_env(
+    spec: JobSpec,
+    *,
+    attempt: int,
+    rank: int,
+    replicas: int,
+    master_addr: str | None,
+    resume_step: int | None,
+) -> list[dict[str, Any]]:
+    procs = spec.procs_per_replica
+    env = [
+        # Per pod: the first global rank in the pod; torchrun (procs > 1) uses NODE_RANK.
+        _env("RANK", rank * procs),
+        _env("WORLD_SIZE", replicas * procs),
+        _env("LOCAL_RANK", 0),
+        _env("LOCAL_WORLD_SIZE", procs),
+        _env("NODE_RANK", rank),
+        _env("NNODES", replicas),
+        _field_env("POD_IP", "status.podIP"),
+        # Rank 0 is its own master: its IP comes from the downward API, no DNS involved.
+        _field_env("MASTER_ADDR", "status.podIP")
+        if rank == 0 or master_addr is None
+        else _env("MASTER_ADDR", master_addr),
+        _env("MASTER_PORT", spec.master_port),
+        _env("BATON_CHECKPOINT_URI", spec.checkpoint_uri),
+        _env("BATON_JOB", spec.key),
+        _env("BATON_ATTEMPT", attempt),
+        _env("BATON_CONTROL_DIR", CONTROL_DIR),
+    ]
+    if resume_step is not None:
+        env.append(_env("BATON_RESUME_STEP", resume_step))
+    if spec.every_steps is not None:
+        env.append(_env("BATON_EVERY_STEPS", spec.every_steps))
+    if spec.every_seconds is not None:
+        env.append(_env("BATON_EVERY_SECONDS", spec.every_seconds))
+    if spec.keep_last is not None:
+        env.append(_env("BATON_KEEP_LAST", spec.keep_last))
+    return env
+
+
+def _restricted(container: dict[str, Any]) -> None:
+    ctx = dict(container.get("securityContext") or {})
+    ctx.update(copy.deepcopy(_RESTRICTED_CONTAINER))
+    container["securityContext"] = ctx
+
+
+def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": config.sidecar_image,
+        "command": list(config.sidecar_command),
+        # A native sidecar: starts before the trainer, lives as long as it, never blocks the
+        # pod from completing.
+        "restartPolicy": "Always",
+        "env": [
+            _field_env("POD_IP", "status.podIP"),
+            _env("BATON_SIDECAR_PORT", config.sidecar_port),
+            _env("BATON_SIDECAR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"),
+            _env("BATON_CONTROL_DIR", CONTROL_DIR),
+            _env("BATON_JOB", spec.key),
+            _env("BATON_CLOUD", config.sidecar_cloud),
+        ],
+        "ports": [{"name": "baton-ctl", "containerPort": config.sidecar_port, "protocol": "TCP"}],
+        "volumeMounts": [
+            {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+        ],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+    }
+    _restricted(container)
+    return container
+
+
+def _avoid_nodes(affinity: dict[str, Any], avoid: Iterable[str]) -> None:
+    nodes = sorted(set(avoid))
+    if not nodes:
+        return
+    expr = {"key": "metadata.name", "operator": "NotIn", "values": nodes}
+    node_aff = affinity.setdefault("nodeAffinity", {})
+    required = node_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    # Terms are ORed: the exclusion has to be ANDed into every one of them.
+    for term in terms:
+        term.setdefault("matchFields", []).append(dict(expr))
+
+
+def _spread_ranks(affinity: dict[str, Any], job: str, attempt: int) -> None:
+    # One rank per node: a node loss then costs one rank, and "how many nodes can host the
+    # job" (the elastic decision) is simply the number of usable nodes.
+    pod_aff = affinity.setdefault("podAntiAffinity", {})
+    pod_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+        {
+            "labelSelector": {"matchLabels": {JOB_LABEL: job, ATTEMPT_LABEL: str(attempt)}},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+    )
+
+
+def pod_manifest(
+    spec: JobSpec,
+    config: OperatorConfig,
+    *,
+    attempt: int,
+    rank: int,
+    replicas: int,
+    master_addr: str | None,
+    resume_step: int | None,
+    avoid_nodes: Iterable[str] = (),
+) -> dict[str, Any]:
+    """The pod of ``rank`` in ``attempt``: the user's template plus Baton's contract.
+
+    ``master_addr`` is rank 0's pod IP (None only for rank 0, which reads its own).
+    """
+    if rank != 0 and master_addr is None:
+        raise ValueError(f"rank {rank} needs rank 0's pod IP as master_addr: create rank 0 first")
+    template: Mapping[str, Any] = spec.template
+    tmeta = template.get("metadata") or {}
+    pod_spec: dict[str, Any] = copy.deepcopy(dict(template.get("spec") or {}))
+
+    containers: list[dict[str, Any]] = pod_spec.get("containers") or []
+    trainer = next((c for c in containers if c.get("name") == TRAINER_NAME), None)
+    if trainer is None:
+        raise ValueError("spec.template.spec.containers needs a container named `trainer`")
+    env = _trainer_env(
+        spec,
+        attempt=attempt,
+        rank=rank,
+        replicas=replicas,
+        master_addr=master_addr,
+        resume_step=resume_step,
+    )
+    user_env = [e for e in trainer.get("env") or [] if e.get("name") not in _CONTRACT_ENV]
+    trainer["env"] = env + user_env
+    mounts = [m for m in trainer.get("volumeMounts") or [] if m.get("name") != CONTROL_VOLUME]
+    trainer["volumeMounts"] = [*mounts, {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR}]
+    for c in containers:
+        _restricted(c)
+    init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != SIDECAR_NAME]
+    for c in init:
+        _restricted(c)
+    pod_spec["initContainers"] = [_sidecar(spec, config), *init]
+
+    volumes = [
+        v
+        for v in pod_spec.get("volumes") or []
+        if v.get("name") not in (CONTROL_VOLUME, TOKEN_VOLUME)
+    ]
+    volumes.append({"name": CONTROL_VOLUME, "emptyDir": {}})
+    volumes.append(
+        {
+            "name": TOKEN_VOLUME,
+            "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o440},
+        }
+    )
+    pod_spec["volumes"] = volumes
+
+    pod_ctx = dict(pod_spec.get("securityContext") or {})
+    pod_ctx.update(copy.deepcopy(_RESTRICTED_POD))
+    pod_spec["securityContext"] = pod_ctx
+
+    affinity = pod_spec.setdefault("affinity", {})
+    _avoid_nodes(affinity, avoid_nodes)
+    _spread_ranks(affinity, spec.name, attempt)
+
+    tolerations = [
+        t
+        for t in pod_spec.get("tolerations") or []
+        if t.get("key") not in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+    ]
+    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
+        tolerations.append(
+            {
+                "key": key,
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": config.node_lost_seconds,
+            }
+        )
+    pod_spec["tolerations"] = tolerations
+    # The operator decides what happens after a rank exits; a kubelet restart would hide it.
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["enableServiceLinks"] = False
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    pod_spec.setdefault("hostname", pod_name(spec.name, attempt, rank))
+    pod_spec.setdefault("subdomain", spec.name)
+
+    labels = {**(tmeta.get("labels") or {}), **pod_labels(spec.name, attempt, rank)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(spec.name, attempt, rank),
+            "namespace": spec.namespace,
+            "labels": labels,
+            "annotations": dict(tmeta.get("annotations") or {}),
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "spec": pod_spec,
+    }

@@ -1,0 +1,72 @@
+"""The operator's configuration: one frozen object, built by ``__main__`` from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .notices import Graces
+
+__all__ = ["EMERGENCY_EXIT_CODE", "OperatorConfig"]
+
+EMERGENCY_EXIT_CODE = 75
+"""A trainer that exits after an emergency save (a SIGTERM or a notice it saw itself, with the
+save committed) exits with this code (``EX_TEMPFAIL``: "try again later"). The operator counts
+such an exit as neither success nor failure: it resumes from the last committed step and counts
+a preemption. See docs/contracts.md, "Operator"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorConfig:
+    """Everything the operator can be told; defaults suit a production cluster."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to serve; empty means every namespace (``--all-namespaces``)."""
+    standalone: bool = False
+    """Skip kopf peering. Peering keeps a second replica paused while the first one lives."""
+    peering_name: str = "baton"
+    """The ClusterKopfPeering object (created by the chart) that operator replicas share."""
+    metrics_port: int = 8080
+    """Port of ``/metrics`` and ``/healthz`` (docs/contracts.md)."""
+    kubeconfig: str | None = None
+    """A kubeconfig path; None means the in-cluster ServiceAccount (then ``$KUBECONFIG``)."""
+    sidecar_image: str = "baton:0.1.0"
+    """Image of the ``baton-sidecar`` container (the chart sets the released tag)."""
+    sidecar_command: tuple[str, ...] = ("baton-sidecar",)
+    """Command of the sidecar container."""
+    sidecar_port: int = 9440
+    """The sidecar's HTTP port (docs/contracts.md)."""
+    sidecar_cloud: str = "auto"
+    """``BATON_CLOUD`` for the sidecar: which cloud metadata service it polls for notices."""
+    sidecar_timeout_seconds: float = 5.0
+    """Per-request timeout when talking to a sidecar; a sidecar on a dying node may hang."""
+    tick_seconds: float = 1.0
+    """How often each job's daemon reconciles. Small, because notices have short deadlines."""
+    progress_poll_seconds: float = 5.0
+    """How often a running job's sidecars are asked for the last committed step."""
+    min_checkpoint_window_seconds: float = 5.0
+    """A deadline already past (or nearer than this) is pushed to now + this, so the SDK can
+    still try a save at the next step, or say it skipped."""
+    node_lost_seconds: int = 20
+    """Pods tolerate an unreachable/not-ready node this long before taint eviction (and the
+    operator calls the node lost): the default 300 s would leave a job idle for five minutes."""
+    delete_grace_seconds: int = 30
+    """Grace given to an old attempt's pods when they are deleted after a committed save."""
+    watch_server_timeout_seconds: float = 60.0
+    """Server-side watch timeout: without it a watch can stall silently (kopf#955, #957)."""
+    watch_client_timeout_seconds: float = 90.0
+    """Client-side timeout of a watch request, a little above the server's."""
+    watch_connect_timeout_seconds: float = 10.0
+    """TCP/TLS connect timeout of watch requests."""
+    graces: Graces = field(default_factory=Graces)
+    """Provider grace periods for notices that carry no end time."""
+
+    def __post_init__(self) -> None:
+        if self.watch_client_timeout_seconds <= self.watch_server_timeout_seconds:
+            raise ValueError(
+                "watch_client_timeout_seconds must exceed watch_server_timeout_seconds, or the "
+                "client gives up on healthy watches: raise the client timeout"
+            )
+        if self.tick_seconds <= 0 or self.progress_poll_seconds <= 0:
+            raise ValueError("tick_seconds and progress_poll_seconds must be > 0")
+        if not self.sidecar_command:
+            raise ValueError("sidecar_command must name the sidecar executable")

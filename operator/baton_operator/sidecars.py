@@ -1,0 +1,140 @@
+"""The HTTP client of the sidecars' control API: the only code that talks to a sidecar.
+
+Each pod runs ``baton-sidecar`` on ``http://<podIP>:9440`` with a per-job bearer token
+(docs/contracts.md). The token goes in a header and nowhere else: errors quote the pod and
+the HTTP status, never the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from .errors import SidecarError
+
+__all__ = ["SidecarClient", "SidecarStatus"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarStatus:
+    """``GET /v1/status`` of one sidecar (the SDK's report, relayed)."""
+
+    state: str
+    """idle, requested, saving, committed, failed or skipped."""
+    step: int | None = None
+    """The step of the current request's save (when committed: the committed step)."""
+    uri: str | None = None
+    seconds: float | None = None
+    error: str | None = None
+    request_id: str | None = None
+    trigger: str | None = None
+    trainer: str | None = None
+    """alive, silent or absent: whether the SDK's heartbeat is fresh."""
+    last_committed_step: int | None = None
+    """The newest step this rank knows committed (periodic saves included)."""
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SidecarStatus:
+        """Parse the sidecar's JSON; missing optional fields become None."""
+
+        def opt_int(key: str) -> int | None:
+            value = raw.get(key)
+            return None if value is None else int(value)
+
+        seconds = raw.get("seconds")
+        return cls(
+            state=str(raw.get("state", "idle")),
+            step=opt_int("step"),
+            uri=raw.get("uri"),
+            seconds=None if seconds is None else float(seconds),
+            error=raw.get("error"),
+            request_id=raw.get("request_id"),
+            trigger=raw.get("trigger"),
+            trainer=raw.get("trainer"),
+            last_committed_step=opt_int("last_committed_step"),
+        )
+
+    @property
+    def committed_step(self) -> int | None:
+        """The newest committed step this status proves, if any."""
+        steps = [s for s in (self.last_committed_step,) if s is not None]
+        if self.state == "committed" and self.step is not None:
+            steps.append(self.step)
+        return max(steps) if steps else None
+
+
+class SidecarClient:
+    """An aiohttp session for the sidecars; use as ``async with SidecarClient(...) as c``."""
+
+    def __init__(self, *, port: int, timeout_seconds: float) -> None:
+        self._port = port
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SidecarClient:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the session (idempotent)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _url(self, ip: str, path: str) -> str:
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"http://{host}:{self._port}{path}"
+
+    async def _call(
+        self, method: str, ip: str, path: str, token: str, body: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            async with self._session.request(
+                method, self._url(ip, path), json=body, headers=headers
+            ) as resp:
+                if resp.status >= 300:
+                    text = (await resp.text())[:200]
+                    raise SidecarError(
+                        f"sidecar at {ip} answered {method} {path} with HTTP {resp.status}: {text}"
+                    )
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise SidecarError(
+                f"sidecar at {ip} did not answer {method} {path} ({type(e).__name__}): is the "
+                "pod running and its baton-sidecar container ready?"
+            ) from None
+        if not isinstance(data, dict):
+            raise SidecarError(f"sidecar at {ip} answered {path} with non-object JSON")
+        return data
+
+    async def request_checkpoint(
+        self, ip: str, token: str, *, deadline: datetime, reason: str
+    ) -> str:
+        """``POST /v1/checkpoint``; returns the request id (merged requests share one)."""
+        data = await self._call(
+            "POST",
+            ip,
+            "/v1/checkpoint",
+            token,
+            {"deadline": deadline.isoformat().replace("+00:00", "Z"), "reason": reason},
+        )
+        return str(data.get("id", ""))
+
+    async def status(self, ip: str, token: str) -> SidecarStatus:
+        """``GET /v1/status``."""
+        return SidecarStatus.from_json(await self._call("GET", ip, "/v1/status", token, None))
