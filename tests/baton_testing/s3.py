@@ -204,6 +204,8 @@ class Seen:
     bucket: str
     key: str
     query: dict[str, str]
+    headers: dict[str, str]
+    """Request headers, names lower-cased."""
     body_sha256: str
     body_len: int
     status: int | None
@@ -273,6 +275,7 @@ class _Handler(BaseHTTPRequestHandler):
             bucket=bucket,
             key=key,
             query=query,
+            headers={k.lower(): v for k, v in self.headers.items()},
             body_sha256=hashlib.sha256(body).hexdigest(),
             body_len=len(body),
             status=status,

@@ -79,8 +79,12 @@ def test_throttling_and_5xx_on_parts_are_retried(s3_faults: S3Bucket) -> None:
         assert faulted in statuses
     assert statuses.count((5, 500)) == 2
     # Every part went up successfully once; retries re-sent the very same bytes.
-    assert sorted(n for n, status in statuses if status == 200) == [1, 2, 3, 4, 5, 6]
+    assert sorted(n or 0 for n, status in statuses if status == 200) == [1, 2, 3, 4, 5, 6]
     assert all(len(b) == 1 for b in _bodies_by_part(proxy).values())
+    # Each part carries a CRC32 that S3 checks, and Complete lists them all.
+    assert all("x-amz-checksum-crc32" in s.headers for s in proxy.seen("UploadPart"))
+    (create,) = proxy.seen("CreateMultipartUpload")
+    assert create.headers.get("x-amz-checksum-algorithm") == "CRC32"
 
 
 def test_stalled_part_times_out_and_resends_same_bytes(s3_faults: S3Bucket) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import pytest
 from baton_testing.s3 import S3Bucket
@@ -240,3 +241,73 @@ def test_part_sizes_fit_s3_limits() -> None:
     # A stream with no hint still fits S3's 5 TiB object limit in 10,000 parts.
     assert sum(part_size(cfg.part_size, n) for n in range(1, MAX_PARTS + 1)) >= 5 * 1024**4
     assert all(part_size(cfg.part_size, n) <= MAX_PART_SIZE for n in range(1, MAX_PARTS + 1))
+
+
+def test_writer_memory_is_bounded(s3_bucket: S3Bucket) -> None:
+    """A 60 MiB stream with 5 MiB parts and 2 buffered parts holds at most 3 parts at once
+    (2 in flight + 1 filling): no copy of the object, no copy of a part inside botocore."""
+    cfg = S3Config(part_size=5 * MiB, max_concurrency=2)
+    st = S3Storage.from_uri(s3_bucket.uri(), config=cfg)
+    src = memoryview(_payload(60 * MiB))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        w = st.open_writer("big", size_hint=len(src))
+        for pos in range(0, len(src), MiB):
+            w.write(src[pos : pos + MiB])
+        w.commit()
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak <= 3 * 5 * MiB + 2 * MiB, f"peak {peak / MiB:.1f} MiB"
+    assert st.size("big") == len(src)
+
+
+def test_config_from_env() -> None:
+    cfg = S3Config.from_env(
+        {
+            "BATON_S3_PART_SIZE_MIB": "64",
+            "BATON_S3_MAX_CONCURRENCY": "4",
+            "BATON_S3_READ_TIMEOUT": "2.5",
+            "BATON_S3_RETRY_MODE": "adaptive",
+            "BATON_S3_MAX_ATTEMPTS": "",  # empty means unset
+        }
+    )
+    assert cfg.part_size == 64 * MiB
+    assert cfg.max_concurrency == 4
+    assert cfg.read_timeout == 2.5
+    assert cfg.retry_mode == "adaptive"
+    assert cfg.max_attempts == S3Config().max_attempts
+    with pytest.raises(ValueError, match="BATON_S3_MAX_CONCURRENCY='many'"):
+        S3Config.from_env({"BATON_S3_MAX_CONCURRENCY": "many"})
+    with pytest.raises(ValueError, match="BATON_S3_"):
+        S3Config.from_env({"BATON_S3_PART_SIZE_MIB": "1"})
+    with pytest.raises(ValueError, match="retry_mode"):
+        S3Config.from_env({"BATON_S3_RETRY_MODE": "legacy"})
+
+
+def test_open_storage_reads_env_config(
+    s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATON_S3_PART_SIZE_MIB", "5")
+    st = open_storage(s3_bucket.uri())
+    assert isinstance(st, S3Storage)
+    assert st.config.part_size == 5 * MiB
+    w = st.open_writer("x", size_hint=11 * MiB)
+    w.write(_payload(11 * MiB))
+    w.commit()
+    head = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key="ckpt/x")
+    assert head["ETag"].endswith('-3"')
+
+
+def test_multipart_without_checksums(s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3-compatible stores that reject CRC32 headers: AWS_REQUEST_CHECKSUM_CALCULATION=
+    when_required turns the per-part checksums off, and uploads still work."""
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    st = S3Storage.from_uri(s3_bucket.uri(), config=SMALL)
+    assert not st._part_checksums
+    data = _payload(11 * MiB)
+    w = st.open_writer("plain", size_hint=len(data))
+    w.write(data)
+    w.commit()
+    assert s3_bucket.get("ckpt/plain") == data

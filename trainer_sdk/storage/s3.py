@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
@@ -136,10 +136,53 @@ class S3Config:
             raise ValueError("S3Config: backoff_base and backoff_max must be >= 0 seconds")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ValueError("S3Config: timeouts must be > 0 seconds")
+        if self.retry_mode not in ("standard", "adaptive"):
+            raise ValueError(f"S3Config.retry_mode={self.retry_mode!r}: use standard or adaptive")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ValueError(
+                f"S3Config.addressing_style={self.addressing_style!r}: use auto, path or virtual"
+            )
 
     @property
     def buffered_parts(self) -> int:
         return self.max_buffered_parts or self.max_concurrency
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> S3Config:
+        """Defaults, overridden by ``BATON_S3_*`` variables (see ``ENV_VARS``): how a pod spec
+        tunes S3 without code changes, since ``trainer_sdk.save(state, "s3://...")`` builds
+        its storage from the URI alone."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        for var, (name, convert) in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                kwargs[name] = convert(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a valid {convert.__name__}") from None
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{e} (from the BATON_S3_* environment variables)") from None
+
+
+def _mib(raw: str) -> int:
+    return int(raw) * MiB
+
+
+ENV_VARS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
+    "BATON_S3_PART_SIZE_MIB": ("part_size", _mib),
+    "BATON_S3_MAX_CONCURRENCY": ("max_concurrency", int),
+    "BATON_S3_MAX_ATTEMPTS": ("max_attempts", int),
+    "BATON_S3_RETRY_ROUNDS": ("retry_rounds", int),
+    "BATON_S3_CONNECT_TIMEOUT": ("connect_timeout", float),
+    "BATON_S3_READ_TIMEOUT": ("read_timeout", float),
+    "BATON_S3_RETRY_MODE": ("retry_mode", str),
+    "BATON_S3_ADDRESSING_STYLE": ("addressing_style", str),
+}
+"""Environment overrides of :class:`S3Config` fields: variable -> (field, parser)."""
 
 
 def first_part_size(config: S3Config, size_hint: int | None) -> int:
@@ -214,7 +257,7 @@ class S3Storage:
         if not uri.startswith("s3://"):
             raise ValueError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
         bucket, _, prefix = uri[len("s3://") :].partition("/")
-        return cls(bucket, prefix, config=config)
+        return cls(bucket, prefix, config=config or S3Config.from_env())
 
     @staticmethod
     def _make_client(config: S3Config) -> Any:
