@@ -155,7 +155,9 @@ _PANELS: Final[tuple[_Panel, ...]] = (
                 ),
                 legend="lost {{namespace}}/{{job}}",
             ),
-            *_quantiles("baton_steps_lost", "namespace, job", (0.95,), "per restart {{job}}"),
+            *_quantiles(
+                "baton_steps_lost_per_restart", "namespace, job", (0.95,), "per restart {{job}}"
+            ),
         ),
         unit="short",
         bars=True,

@@ -119,6 +119,7 @@ def test_restricted_checker_catches_what_the_profile_forbids() -> None:
 def test_defaults_render_the_operator(helm: str) -> None:
     docs = _render(helm)
     assert _kinds(docs) == [
+        "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
@@ -138,9 +139,13 @@ def test_defaults_render_the_operator(helm: str) -> None:
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["resources"]["limits"] == {"memory": "512Mi"}
-    env = {e["name"]: e for e in container["env"]}
-    assert env["BATON_SIDECAR_IMAGE"]["value"] == "baton-sidecar:0.1.0"
-    assert env["BATON_WATCH_NAMESPACES"]["value"] == ""
+    assert container["args"] == [
+        "--metrics-port=8080",
+        "--sidecar-image=baton-sidecar:0.1.0",
+        f"--peering={_one(docs, 'ClusterKopfPeering')['metadata']['name']}",
+        "--all-namespaces",
+    ]
+    assert "env" not in container
     assert pod["serviceAccountName"] == _one(docs, "ServiceAccount")["metadata"]["name"]
     service = _one(docs, "Service")
     assert service["spec"]["ports"][0]["port"] == 8080
@@ -236,11 +241,16 @@ def test_custom_values_reach_the_deployment(helm: str) -> None:
         "requests": {"cpu": "250m", "memory": "256Mi"},
         "limits": {"cpu": "1", "memory": "1Gi"},
     }
-    assert container["args"] == ["--verbose"]
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["BATON_WATCH_NAMESPACES"] == "ml-research,ml-prod"
-    assert env["BATON_SIDECAR_IMAGE"] == "registry.internal/ml/baton-sidecar:0.1.0-patch1"
-    assert env["HTTPS_PROXY"] == "http://proxy.internal:3128"
+    assert container["args"] == [
+        "--metrics-port=8080",
+        "--sidecar-image=registry.internal/ml/baton-sidecar:0.1.0-patch1",
+        "--standalone",
+        "--namespace=ml-research",
+        "--namespace=ml-prod",
+        "--verbose",
+    ]
+    assert "ClusterKopfPeering" not in _kinds(docs)
+    assert container["env"] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]
     assert pod["serviceAccountName"] == "platform-baton"
     assert pod["imagePullSecrets"] == [{"name": "internal-registry"}]
     assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
