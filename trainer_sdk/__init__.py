@@ -26,6 +26,16 @@ _LAZY: dict[str, str] = {
     "Stateful": "_types",
     "BatonError": "errors",
     "CheckpointError": "errors",
+    "list_steps": "api",
+    "delete_step": "api",
+    "cleanup_incomplete": "api",
+    "RankLocal": "_types",
+    "CorruptCheckpointError": "errors",
+    "IncompleteCheckpointError": "errors",
+    "ManifestError": "errors",
+    "CollectiveTimeoutError": "errors",
+    "RankFailedError": "errors",
+    "StorageError": "errors",
 }
 
 __all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the lazy names are all str

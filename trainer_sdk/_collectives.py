@@ -1,0 +1,174 @@
+"""Bounded collectives that carry JSON, for the save/load protocol.
+
+Why not ``all_gather_object``: it pickles. Here objects travel as UTF-8 JSON in uint8
+tensors (sizes first, then the padded payloads), so nothing received is ever unpickled.
+
+Why not a plain ``work.wait()``: a dead or stuck peer would block forever (or for the process
+group's timeout, often 30 minutes). Every collective here is started asynchronously and
+polled against a deadline; past it, :class:`~trainer_sdk.errors.CollectiveTimeoutError` is
+raised naming the ranks that never arrived. Arrival is recorded in the process group's
+key-value store before each collective, so the missing ranks can be named even though the
+collective itself cannot say. After such an error the process group may be unusable
+(the collective is still pending in the backend): destroy it and restart the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_sdk.errors import CollectiveTimeoutError
+
+__all__ = ["all_gather_json", "broadcast_json", "group_rank_world", "is_distributed"]
+
+_counters: dict[str, itertools.count[int]] = {}
+
+
+def _next_seq(group: dist.ProcessGroup | None) -> str:
+    """A key prefix that is the same on every rank for the same collective of the same group.
+
+    Counted per group, because the async writer runs its collectives on a group of its own, in
+    another thread, interleaved differently on different ranks.
+    """
+    name = str(getattr(group or dist.group.WORLD, "group_name", "world"))
+    counter = _counters.setdefault(name, itertools.count())
+    return f"baton/collective/{name}/{next(counter)}"
+
+
+def is_distributed(group: dist.ProcessGroup | None) -> bool:
+    """Whether a multi-process save is in effect (an explicit group, or an initialised one)."""
+    if group is not None:
+        return True
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank in the group, group size); (0, 1) without torch.distributed."""
+    if not is_distributed(group):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _arrive(what: str, seq: str, rank: int) -> None:
+    store = _store()
+    if store is None:
+        return
+    with contextlib.suppress(RuntimeError, OSError):  # the store lives on rank 0; may be gone
+        store.set(f"{seq}/{rank}", what)
+
+
+def _missing(seq: str, world: int) -> list[int] | None:
+    store = _store()
+    if store is None:
+        return None
+    try:
+        store.set_timeout(timedelta(seconds=2))
+        return [r for r in range(world) if not store.check([f"{seq}/{r}"])]
+    except (RuntimeError, OSError):
+        return None
+
+
+def _wait(work: Any, *, deadline: float, what: str, seq: str, world: int, timeout: float) -> None:
+    delay = 0.0005
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            missing = _missing(seq, world)
+            who = (
+                f"rank(s) {', '.join(map(str, missing))} never arrived"
+                if missing
+                else "every rank arrived but the collective did not finish"
+                if missing == []
+                else "the missing ranks could not be determined (the store is unreachable)"
+            )
+            raise CollectiveTimeoutError(
+                f"{what}: no answer within {timeout:.0f} s; {who}. A rank probably died or is "
+                "stuck; restart the job (the previous complete step is intact).",
+                ranks=missing or (),
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        missing = _missing(seq, world)
+        who = f" (rank(s) {', '.join(map(str, missing))} never arrived)" if missing else ""
+        raise CollectiveTimeoutError(
+            f"{what}: a peer failed during the collective{who}: {e}. A rank probably died; "
+            "restart the job (the previous complete step is intact).",
+            ranks=missing or (),
+        ) from e
+
+
+def all_gather_json(
+    obj: Any, *, group: dist.ProcessGroup | None, timeout: float, what: str
+) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in rank order, on every rank. Bounded by ``timeout``."""
+    rank, world = group_rank_world(group)
+    if world == 1:
+        return [json.loads(json.dumps(obj))]
+    deadline = time.monotonic() + timeout
+    seq = _next_seq(group)
+    _arrive(what, seq, rank)
+    dev = _device(group)
+    payload = json.dumps(obj, separators=(",", ":")).encode()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    work = dist.all_gather(sizes, size, group=group, async_op=True)
+    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    lens = [int(s.item()) for s in sizes]
+    width = max(lens)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    mine = mine.to(dev)
+    bufs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)]
+    work = dist.all_gather(bufs, mine, group=group, async_op=True)
+    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    return [
+        json.loads(bytes(b[:n].cpu().numpy().tobytes())) for b, n in zip(bufs, lens, strict=True)
+    ]
+
+
+def broadcast_json(obj: Any, *, group: dist.ProcessGroup | None, timeout: float, what: str) -> Any:
+    """Group rank 0's ``obj`` on every rank (others pass anything). Bounded by ``timeout``."""
+    rank, world = group_rank_world(group)
+    if world == 1:
+        return json.loads(json.dumps(obj))
+    deadline = time.monotonic() + timeout
+    seq = _next_seq(group)
+    _arrive(what, seq, rank)
+    dev = _device(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    payload = json.dumps(obj, separators=(",", ":")).encode() if rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    work = dist.broadcast(size, src=src, group=group, async_op=True)
+    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    n = int(size.item())
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if rank == 0 and payload:
+        buf[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buf = buf.to(dev)
+    work = dist.broadcast(buf, src=src, group=group, async_op=True)
+    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    return json.loads(bytes(buf.cpu().numpy().tobytes()))

@@ -1,0 +1,241 @@
+"""Streaming safetensors writing and zero-copy byte views of tensors.
+
+Why not ``safetensors.torch.save_file``: it serialises the whole file into one bytes object
+first (a full extra copy of the state) and hashes nothing. Here the header is built from
+metadata, then each tensor's bytes go straight from its memory to the storage writer in
+``block_size`` chunks, while a second thread computes the file's sha256 and a crc32 per block
+(hashlib and zlib release the GIL, so hashing overlaps the write). bf16 and other dtypes numpy
+lacks are written through uint8 views of the same memory.
+
+CUDA tensors are copied to the host one chunk at a time through two reusable pinned buffers,
+so a synchronous save of GPU state needs two chunks of host memory, not a copy of the state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from trainer_sdk.errors import CheckpointError
+from trainer_sdk.storage.base import Writer
+
+__all__ = [
+    "ST_TO_TORCH",
+    "TORCH_TO_ST",
+    "PieceSource",
+    "ShardResult",
+    "byte_view",
+    "st_dtype",
+    "write_json_file",
+    "write_shard",
+]
+
+TORCH_TO_ST: Final[Mapping[torch.dtype, str]] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+}
+ST_TO_TORCH: Final[Mapping[str, torch.dtype]] = {v: k for k, v in TORCH_TO_ST.items()}
+
+
+def st_dtype(dtype: torch.dtype, *, key: str) -> str:
+    """The safetensors code of a torch dtype, or a CheckpointError naming the key and the fix."""
+    code = TORCH_TO_ST.get(dtype)
+    if code is None:
+        raise CheckpointError(
+            f"tensor {key!r} has dtype {dtype}, which safetensors cannot store; convert it "
+            "(e.g. .to(torch.float32)) or keep it out of the checkpoint"
+        )
+    return code
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a flat ``memoryview`` (no copy).
+
+    Works for dtypes numpy lacks (bf16, fp8) by viewing the same memory as uint8.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    if t.numel() == 0:
+        return memoryview(b"")
+    u8 = t.detach().reshape(-1).view(torch.uint8)
+    return u8.numpy().data.cast("B")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PieceSource:
+    """One tensor (or row range of one) to put in a shard file."""
+
+    name: str
+    """Name inside the safetensors file."""
+    dtype: str
+    """safetensors dtype code."""
+    shape: tuple[int, ...]
+    """Shape of the piece."""
+    tensor: torch.Tensor
+    """The source tensor (CPU or CUDA, contiguous); the piece is bytes [start, end) of it."""
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardResult:
+    size: int
+    sha256: str
+    data_start: int
+    pieces: Mapping[str, tuple[int, int, tuple[int, ...]]]
+    """name -> (absolute begin, absolute end, crc32 per block)."""
+    hash_seconds: float
+    """Time the hashing thread was busy (it overlaps the writes)."""
+
+
+def _header(
+    pieces: Sequence[PieceSource], metadata: Mapping[str, str]
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for p in pieces:
+        n = p.end - p.start
+        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [pos, pos + n]}
+        offsets[p.name] = (pos, pos + n)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes; so do we
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+class _Hasher:
+    """sha256 of the whole stream plus crc32 per chunk, computed in one background thread."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-hash")
+        self.busy = 0.0
+
+    def _work(self, view: memoryview, want_crc: bool) -> int:
+        t0 = time.perf_counter()
+        self._sha.update(view)
+        crc = zlib.crc32(view) if want_crc else 0
+        self.busy += time.perf_counter() - t0
+        return crc
+
+    def submit(self, view: memoryview, *, want_crc: bool = True) -> Future[int]:
+        return self._pool.submit(self._work, view, want_crc)
+
+    def hexdigest(self) -> str:
+        self._pool.shutdown(wait=True)
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _PinnedRing:
+    """Two reusable host buffers for copying CUDA chunks out, each guarded by its hash future."""
+
+    def __init__(self, size: int) -> None:
+        pin = torch.cuda.is_available()
+        self._bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._busy: list[Future[int] | None] = [None, None]
+        self._i = 0
+
+    def copy(self, src_u8: torch.Tensor) -> tuple[memoryview, int]:
+        i = self._i
+        self._i ^= 1
+        fut = self._busy[i]
+        if fut is not None:
+            fut.result()  # the hasher must be done with this buffer before we overwrite it
+        n = src_u8.numel()
+        buf = self._bufs[i][:n]
+        buf.copy_(src_u8)
+        return buf.numpy().data.cast("B"), i
+
+    def guard(self, i: int, fut: Future[int]) -> None:
+        self._busy[i] = fut
+
+
+def _chunks(
+    src: PieceSource, block_size: int, ring: _PinnedRing | None
+) -> Iterator[tuple[memoryview, int | None]]:
+    t = src.tensor
+    if t.device.type == "cpu":
+        view = byte_view(t)[src.start : src.end]
+        for off in range(0, len(view), block_size):
+            yield view[off : off + block_size], None
+        return
+    assert ring is not None
+    u8 = t.detach().reshape(-1).view(torch.uint8)[src.start : src.end]
+    for off in range(0, u8.numel(), block_size):
+        view, slot = ring.copy(u8[off : off + block_size])
+        yield view, slot
+
+
+def write_shard(
+    writer: Writer,
+    pieces: Sequence[PieceSource],
+    *,
+    metadata: Mapping[str, str],
+    block_size: int,
+) -> ShardResult:
+    """Stream a safetensors file of ``pieces`` into ``writer`` (not committed: the caller does).
+
+    Every piece's bytes are read straight from its tensor; nothing is serialised in advance.
+    """
+    header, rel = _header(pieces, metadata)
+    data_start = len(header)
+    hasher = _Hasher()
+    ring: _PinnedRing | None = None
+    if any(p.tensor.device.type != "cpu" for p in pieces):
+        ring = _PinnedRing(block_size)
+    crc_futs: dict[str, list[Future[int]]] = {}
+    try:
+        hasher.submit(memoryview(header), want_crc=False)
+        writer.write(header)
+        for p in pieces:
+            futs = crc_futs.setdefault(p.name, [])
+            for view, slot in _chunks(p, block_size, ring):
+                fut = hasher.submit(view)
+                futs.append(fut)
+                if ring is not None and slot is not None:
+                    ring.guard(slot, fut)
+                writer.write(view)
+        sha = hasher.hexdigest()
+    finally:
+        hasher.close()
+    size = data_start + sum(e - b for b, e in rel.values())
+    out = {
+        name: (data_start + b, data_start + e, tuple(f.result() for f in crc_futs[name]))
+        for name, (b, e) in rel.items()
+    }
+    return ShardResult(
+        size=size, sha256=sha, data_start=data_start, pieces=out, hash_seconds=hasher.busy
+    )
+
+
+def write_json_file(writer: Writer, data: bytes) -> tuple[int, str]:
+    """Write a small JSON file whole; returns (size, sha256). The caller commits."""
+    writer.write(data)
+    return len(data), hashlib.sha256(data).hexdigest()
