@@ -311,3 +311,15 @@ def test_multipart_without_checksums(s3_bucket: S3Bucket, monkeypatch: pytest.Mo
     w.write(data)
     w.commit()
     assert s3_bucket.get("ckpt/plain") == data
+
+
+def test_abort_after_commit_keeps_the_object(s3_bucket: S3Bucket) -> None:
+    st = S3Storage.from_uri(s3_bucket.uri(), config=SMALL)
+    data = _payload(6 * MiB)
+    w = st.open_writer("kept", size_hint=len(data))
+    w.write(data)
+    w.commit()
+    w.abort()  # e.g. a cleanup path that always aborts
+    assert s3_bucket.get("ckpt/kept") == data
+    with pytest.raises(StorageError, match="after the writer was committed"):
+        w.commit()

@@ -710,8 +710,9 @@ class _S3Writer:
             raise
         finally:
             self._buf = bytearray()
-            if self._upload is not None:
-                self._upload.pool.shutdown(wait=True)
+            up, self._upload = self._upload, None  # after a commit, abort() has nothing to do
+            if up is not None:
+                up.pool.shutdown(wait=True)
 
     def _complete(self, up: _Upload) -> None:
         s = self._s
@@ -759,6 +760,8 @@ class _S3Writer:
         self._abort_quietly()
 
     def abort(self) -> None:
+        if self._state == "committed":
+            return
         if self._state == "open":
             self._state = "aborted"
         self._abort_quietly()
