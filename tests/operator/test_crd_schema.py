@@ -1,0 +1,221 @@
+"""The TrainingJob CRD: structural schema, printer columns, and every CEL rule's verdicts.
+
+The CEL rules are evaluated here with cel-python against good and bad objects, so a rule that
+never fires (or always fires) is caught without a cluster; the cluster tests then check that
+the API server refuses the same objects with the same messages.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import celpy
+import pytest
+from baton_operator import crd
+from celpy.adapter import json_to_cel
+
+
+def _schema() -> dict[str, Any]:
+    version = crd.crd_manifest()["spec"]["versions"][0]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = [(path, node)]
+    for name, child in (node.get("properties") or {}).items():
+        out.extend(_walk(child, f"{path}.{name}"))
+    if "items" in node:
+        out.extend(_walk(node["items"], f"{path}[]"))
+    return out
+
+
+def valid_job() -> dict[str, Any]:
+    return {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "tiny", "namespace": "default"},
+        "spec": {
+            "replicas": 2,
+            "procsPerReplica": 1,
+            "minReplicas": 1,
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}},
+            "checkpoint": {"uri": "s3://bucket/prefix", "everySteps": 10},
+        },
+    }
+
+
+def _rules(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path, node in _walk(schema):
+        for rule in node.get("x-kubernetes-validations") or []:
+            found.append((path, rule))
+    return found
+
+
+def _node_at(obj: Any, path: str) -> Any:
+    for part in [p for p in path.split(".") if p]:
+        if obj is None:
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _violations(new: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Messages of every CEL rule that ``new`` (updated from ``old``) violates."""
+    env = celpy.Environment()
+    messages = []
+    for path, rule in _rules(_schema()):
+        self_value = _node_at(new, path)
+        if self_value is None:
+            continue  # CEL rules only run on fields that are present
+        if "oldSelf" in rule["rule"]:
+            old_value = None if old is None else _node_at(old, path)
+            if old_value is None:
+                continue  # transition rules run on updates only
+        activation = {"self": json_to_cel(self_value)}
+        if "oldSelf" in rule["rule"]:
+            activation["oldSelf"] = json_to_cel(old_value)
+        result = env.program(env.compile(rule["rule"])).evaluate(activation)
+        if not bool(result):
+            messages.append(rule["message"])
+    return messages
+
+
+def test_a_valid_job_passes_every_rule() -> None:
+    assert _violations(valid_job()) == []
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda j: (j["spec"].update(replicas=0), j["spec"].pop("minReplicas")), "spec.replicas"),
+        (lambda j: j["spec"].update(minReplicas=3), "spec.minReplicas"),
+        (lambda j: j["spec"].update(minReplicas=0), "spec.minReplicas"),
+        (lambda j: j["spec"]["checkpoint"].update(uri="gs://bucket/x"), "spec.checkpoint.uri"),
+        (lambda j: j["spec"]["checkpoint"].update(uri="relative/dir"), "spec.checkpoint.uri"),
+        (lambda j: j["spec"]["checkpoint"].update(everySteps=0), "spec.checkpoint.everySteps"),
+        (
+            lambda j: j["spec"]["template"]["spec"].update(containers=[{"name": "main"}]),
+            "spec.template.spec.containers",
+        ),
+    ],
+)
+def test_each_rule_refuses_its_invalid_value_naming_the_field(mutate: Any, field: str) -> None:
+    job = valid_job()
+    mutate(job)
+    messages = _violations(job)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(field)
+
+
+@pytest.mark.parametrize("uri", ["s3://b/p", "file:///data/ckpt", "/data/ckpt"])
+def test_uri_schemes_that_are_accepted(uri: str) -> None:
+    job = valid_job()
+    job["spec"]["checkpoint"]["uri"] = uri
+    assert _violations(job) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "mutate"),
+    [
+        ("spec.replicas", lambda j: j["spec"].update(replicas=3)),
+        ("spec.procsPerReplica", lambda j: j["spec"].update(procsPerReplica=2)),
+        ("spec.checkpoint.uri", lambda j: j["spec"]["checkpoint"].update(uri="s3://other/p")),
+    ],
+)
+def test_fields_are_immutable_once_started_but_not_before(field: str, mutate: Any) -> None:
+    old = valid_job()
+    new = copy.deepcopy(old)
+    mutate(new)
+    # Before the operator has set a phase the job may still be edited.
+    assert _violations(new, old) == []
+    old["status"] = {"phase": "Running"}
+    new["status"] = {"phase": "Running"}
+    messages = _violations(new, old)
+    assert len(messages) == 1
+    assert messages[0].startswith(f"{field} is immutable")
+
+
+def test_schema_is_structural_and_explained() -> None:
+    for path, node in _walk(_schema()):
+        preserve = node.get("x-kubernetes-preserve-unknown-fields")
+        assert "type" in node, f"{path or '<root>'} has no type (not structural)"
+        if path.startswith((".spec", ".status")) and path.count(".") >= 1:
+            assert node.get("description") or path.endswith("[]"), f"{path} has no description"
+        if preserve:
+            assert node["type"] == "object"
+    spec = _schema()["properties"]["spec"]
+    assert set(spec["required"]) == {"replicas", "template", "checkpoint"}
+
+
+def test_every_rule_has_a_message_and_a_field_path() -> None:
+    rules = _rules(_schema())
+    assert len(rules) == 9  # 3 immutability + 2 spec + 1 template + 3 checkpoint
+    for path, rule in rules:
+        assert rule["message"], f"rule at {path} has no message"
+        assert rule["fieldPath"].startswith("."), f"rule at {path} has no fieldPath"
+
+
+def test_status_declares_every_field_the_operator_writes() -> None:
+    status = _schema()["properties"]["status"]["properties"]
+    for name in (
+        "phase",
+        "attempt",
+        "worldSize",
+        "replicas",
+        "preemptions",
+        "failures",
+        "resumedFromStep",
+        "observedGeneration",
+        "lastCheckpoint",
+        "conditions",
+        "notice",
+        "avoidNodes",
+        "masterAddr",
+        "restartAfter",
+        "restartReason",
+        "unschedulableSince",
+        "attemptStartedAt",
+        "message",
+        "stepsLost",
+    ):
+        assert name in status, f"status.{name} would be pruned by the API server"
+    assert set(status["lastCheckpoint"]["properties"]) == {
+        "step",
+        "uri",
+        "trigger",
+        "completedAt",
+        "seconds",
+    }
+    assert status["phase"]["enum"] == list(crd.PHASES)
+
+
+def test_names_columns_and_subresources() -> None:
+    manifest = crd.crd_manifest()
+    assert manifest["metadata"]["name"] == "trainingjobs.baton.dev"
+    assert manifest["spec"]["names"]["shortNames"] == ["tj"]
+    version = manifest["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase"
+    assert columns["World"] == ".status.worldSize"
+    assert columns["Checkpoint"] == ".status.lastCheckpoint.step"
+    assert columns["Preemptions"] == ".status.preemptions"
+    assert columns["Failures"] == ".status.failures"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_crd_manifest_is_a_fresh_copy() -> None:
+    a = crd.crd_manifest()
+    a["spec"]["group"] = "mutated"
+    assert crd.crd_manifest()["spec"]["group"] == "baton.dev"
+
+
+def test_peering_crds_match_kopf() -> None:
+    names = {m["metadata"]["name"]: m["spec"]["scope"] for m in crd.peering_crd_manifests()}
+    assert names == {
+        "clusterkopfpeerings.kopf.dev": "Cluster",
+        "kopfpeerings.kopf.dev": "Namespaced",
+    }

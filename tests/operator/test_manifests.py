@@ -1,0 +1,270 @@
+"""The pure builders: env contract, native sidecar, restricted security, affinity, owners."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from baton_operator import manifests
+from baton_operator.model import JobSpec
+from baton_operator.settings import OperatorConfig
+
+CONFIG = OperatorConfig(sidecar_image="baton:test", sidecar_command=("baton-sidecar", "-v"))
+
+
+def spec(**overrides: Any) -> JobSpec:
+    body: dict[str, Any] = {
+        "metadata": {"name": "tiny", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {
+            "replicas": 2,
+            "procsPerReplica": 1,
+            "template": {
+                "metadata": {"labels": {"team": "a"}, "annotations": {"note": "x"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "train:1",
+                            "command": ["python", "train.py"],
+                            "env": [{"name": "RANK", "value": "99"}, {"name": "LR", "value": "1"}],
+                            "securityContext": {"privileged": False, "runAsUser": 1000},
+                        },
+                        {"name": "logger", "image": "log:1"},
+                    ],
+                    "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {"key": "pool", "operator": "In", "values": ["spot"]}
+                                        ]
+                                    },
+                                    {
+                                        "matchExpressions": [
+                                            {"key": "pool", "operator": "In", "values": ["od"]}
+                                        ]
+                                    },
+                                ]
+                            }
+                        }
+                    },
+                },
+            },
+            "checkpoint": {"uri": "s3://b/p", "everySteps": 10, "keepLast": 2},
+            **overrides,
+        },
+    }
+    return JobSpec.from_body(body)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def build(rank: int = 1, **kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "attempt": 3,
+        "replicas": 2,
+        "master_addr": "127.0.5.1",
+        "resume_step": 120,
+        "avoid_nodes": ["n2", "n1"],
+    }
+    args.update(kw)
+    return manifests.pod_manifest(spec(), CONFIG, rank=rank, **args)
+
+
+def trainer(pod: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+
+
+def test_env_contract_for_a_worker_rank() -> None:
+    env = env_of(trainer(build(rank=1)))
+    assert env["RANK"] == "1"
+    assert env["WORLD_SIZE"] == "2"
+    assert env["LOCAL_RANK"] == "0"
+    assert env["LOCAL_WORLD_SIZE"] == "1"
+    assert env["MASTER_ADDR"] == "127.0.5.1"
+    assert env["MASTER_PORT"] == "29500"
+    assert env["BATON_CHECKPOINT_URI"] == "s3://b/p"
+    assert env["BATON_RESUME_STEP"] == "120"
+    assert env["BATON_JOB"] == "ml/tiny"
+    assert env["BATON_ATTEMPT"] == "3"
+    assert env["BATON_CONTROL_DIR"] == manifests.CONTROL_DIR
+    assert env["BATON_EVERY_STEPS"] == "10"
+    assert env["BATON_KEEP_LAST"] == "2"
+    assert "BATON_EVERY_SECONDS" not in env
+    assert env["LR"] == "1", "user env is kept"
+    names = [e["name"] for e in trainer(build(rank=1))["env"]]
+    assert names.count("RANK") == 1, "a user RANK must not shadow the operator's"
+
+
+def test_rank0_reads_its_own_ip_and_first_attempt_has_no_resume_step() -> None:
+    env = env_of(trainer(build(rank=0, master_addr=None, resume_step=None)))
+    assert env["MASTER_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["RANK"] == "0"
+    assert "BATON_RESUME_STEP" not in env
+
+
+def test_worker_rank_needs_the_master_address() -> None:
+    with pytest.raises(ValueError, match="create rank 0 first"):
+        build(rank=1, master_addr=None)
+
+
+def test_procs_per_replica_sets_node_rank_and_world() -> None:
+    s = spec(procsPerReplica=4)
+    pod = manifests.pod_manifest(
+        s, CONFIG, attempt=0, rank=1, replicas=2, master_addr="10.0.0.1", resume_step=None
+    )
+    env = env_of(trainer(pod))
+    assert env["WORLD_SIZE"] == "8"
+    assert env["RANK"] == "4"
+    assert env["LOCAL_WORLD_SIZE"] == "4"
+    assert env["NODE_RANK"] == "1"
+    assert env["NNODES"] == "2"
+
+
+def test_names_labels_and_owner() -> None:
+    pod = build(rank=1)
+    meta = pod["metadata"]
+    assert meta["name"] == "tiny-a3-r1"
+    assert meta["namespace"] == "ml"
+    assert meta["labels"] == {
+        "team": "a",
+        "baton.dev/job": "tiny",
+        "baton.dev/attempt": "3",
+        "baton.dev/rank": "1",
+        "app.kubernetes.io/managed-by": "baton",
+    }
+    assert meta["annotations"] == {"note": "x"}
+    (owner,) = meta["ownerReferences"]
+    assert owner == {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "name": "tiny",
+        "uid": "u-1",
+        "controller": True,
+    }
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_native_sidecar_and_shared_volumes() -> None:
+    pod = build()
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["name"] == "baton-sidecar"
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == "baton:test"
+    assert sidecar["command"] == ["baton-sidecar", "-v"]
+    senv = env_of(sidecar)
+    assert senv["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert senv["BATON_SIDECAR_PORT"] == "9440"
+    assert senv["BATON_SIDECAR_TOKEN_FILE"] == "/var/run/baton/token/token"
+    assert senv["BATON_CONTROL_DIR"] == "/var/run/baton/control"
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    assert mounts["baton-token"]["readOnly"] is True
+    assert mounts["baton-control"]["mountPath"] == "/var/run/baton/control"
+    tmounts = {m["name"]: m["mountPath"] for m in trainer(pod)["volumeMounts"]}
+    assert tmounts == {"baton-control": "/var/run/baton/control"}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["baton-control"] == {"name": "baton-control", "emptyDir": {}}
+    assert volumes["baton-token"]["secret"]["secretName"] == "tiny-sidecar-token"
+    assert not any("hostPath" in v for v in pod["spec"]["volumes"])
+
+
+def test_restricted_security_on_every_container() -> None:
+    pod = build()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    everything = pod["spec"]["containers"] + pod["spec"]["initContainers"]
+    assert len(everything) == 3
+    for c in everything:
+        ctx = c["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False, c["name"]
+        assert ctx["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert ctx["runAsNonRoot"] is True, c["name"]
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, c["name"]
+    assert trainer(pod)["securityContext"]["runAsUser"] == 1000, "user fields are kept"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+
+
+def test_affinity_avoids_noticed_nodes_in_every_term_and_spreads_ranks() -> None:
+    pod = build(avoid_nodes=["n2", "n1", "n2"])
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert len(terms) == 2, "the user's terms are kept"
+    for term in terms:
+        assert term["matchFields"] == [
+            {"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n2"]}
+        ]
+        assert term["matchExpressions"], "the user's expressions are kept"
+    (anti,) = pod["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"] == {
+        "baton.dev/job": "tiny",
+        "baton.dev/attempt": "3",
+    }
+
+
+def test_no_avoided_nodes_adds_no_node_affinity() -> None:
+    s = spec(template={"spec": {"containers": [{"name": "trainer", "image": "t"}]}})
+    pod = manifests.pod_manifest(
+        s, CONFIG, attempt=0, rank=0, replicas=1, master_addr=None, resume_step=None
+    )
+    assert "nodeAffinity" not in pod["spec"]["affinity"]
+
+
+def test_tolerations_pass_through_and_node_loss_is_noticed_quickly() -> None:
+    tolerations = build()["spec"]["tolerations"]
+    assert {"key": "gpu", "operator": "Exists"} in tolerations
+    lost = {t["key"]: t for t in tolerations if t.get("effect") == "NoExecute"}
+    assert set(lost) == {"node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"}
+    for t in lost.values():
+        assert t["tolerationSeconds"] == CONFIG.node_lost_seconds
+
+
+def test_template_without_trainer_is_refused() -> None:
+    s = spec(template={"spec": {"containers": [{"name": "main", "image": "t"}]}})
+    with pytest.raises(ValueError, match="trainer"):
+        manifests.pod_manifest(
+            s, CONFIG, attempt=0, rank=0, replicas=1, master_addr=None, resume_step=None
+        )
+
+
+def test_service_secret_and_selector() -> None:
+    s = spec()
+    svc = manifests.service_manifest(s)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {
+        "baton.dev/job": "tiny",
+        "app.kubernetes.io/managed-by": "baton",
+    }
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    secret = manifests.token_secret_manifest(s, "tok")
+    assert secret["metadata"]["name"] == "tiny-sidecar-token"
+    assert secret["stringData"] == {"token": "tok"}
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "TrainingJob"
+    assert manifests.job_selector("tiny", 2) == (
+        "baton.dev/job=tiny,app.kubernetes.io/managed-by=baton,baton.dev/attempt=2"
+    )
+
+
+def test_builders_do_not_mutate_the_template() -> None:
+    s = spec()
+    before = repr(s.template)
+    build()
+    manifests.pod_manifest(
+        s,
+        CONFIG,
+        attempt=1,
+        rank=0,
+        replicas=2,
+        master_addr=None,
+        resume_step=None,
+        avoid_nodes=["x"],
+    )
+    assert repr(s.template) == before
