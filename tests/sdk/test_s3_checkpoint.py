@@ -1,0 +1,141 @@
+"""trainer_sdk.save / load / latest_step through s3:// against a real S3 server (moto over
+HTTP), in one process and on 2 gloo ranks, and a save whose upload fails for good."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from baton_testing.dist import run_ranks
+from baton_testing.s3 import Fault, S3Bucket
+
+import trainer_sdk
+from trainer_sdk.errors import BatonError
+
+# 5 MiB parts, and few quick retries, so that a 6 MiB tensor is a real multipart upload and a
+# permanent failure gives up fast.
+S3_ENV = {
+    "BATON_S3_PART_SIZE_MIB": "5",
+    "BATON_S3_MAX_ATTEMPTS": "2",
+    "BATON_S3_RETRY_ROUNDS": "1",
+}
+
+
+def _model_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    return {
+        "model": model,
+        "optim": opt,
+        "big": torch.randn(6 * 1024 * 1024 // 4 + 3),  # > one 5 MiB part
+        "meta": {"epoch": seed, "name": "run"},
+    }
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in state["model"].state_dict().items()}
+    for pid, st in state["optim"].state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim.{pid}.{k}"] = torch.as_tensor(v)
+    out["big"] = state["big"]
+    return out
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    assert a["meta"] == b["meta"]
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_save_load_latest_one_process(s3_bucket: S3Bucket) -> None:
+    uri = s3_bucket.uri("jobs/a")
+    assert trainer_sdk.latest_step(uri) is None
+    saved = _model_state(1)
+    info = trainer_sdk.save(saved, uri, step=10)
+    assert info.step == 10
+    assert info.uri == uri
+    later = _model_state(2)
+    trainer_sdk.save(later, uri, step=20)
+    assert trainer_sdk.latest_step(uri) == 20
+    assert json.loads(s3_bucket.get("jobs/a/latest")) == {"step": 20}
+    assert "jobs/a/step-000000000020/manifest.json" in s3_bucket.keys("jobs/a/")
+    assert s3_bucket.multipart_uploads() == []
+
+    fresh = _model_state(3)
+    loaded = trainer_sdk.load(fresh, uri, step=10)
+    assert loaded.step == 10
+    _assert_same(fresh, saved)
+    fresh = _model_state(4)
+    assert trainer_sdk.load(fresh, uri).step == 20  # None: the newest complete step
+    _assert_same(fresh, later)
+
+
+def _two_rank_body(uri: str) -> list[bool]:
+    import torch.distributed as dist
+
+    state = _model_state(7)  # replicated: the same on both ranks, as with DDP
+    trainer_sdk.save(state, uri, step=5)
+    latest = trainer_sdk.latest_step(uri)
+    fresh = _model_state(100 + dist.get_rank())
+    info = trainer_sdk.load(fresh, uri)
+    ta, tb = _tensors(state), _tensors(fresh)
+    return [latest == 5, info.step == 5] + [torch.equal(ta[k], tb[k]) for k in ta]
+
+
+@pytest.mark.e2e  # two fresh torch processes: ~30 s on a busy 2-core machine
+@pytest.mark.usefixtures("s3_env")
+def test_save_load_two_ranks_gloo(s3_bucket: S3Bucket) -> None:
+    uri = s3_bucket.uri("jobs/ddp")
+    results = run_ranks(_two_rank_body, 2, args=(uri,), timeout=180)
+    assert all(all(r) for r in results), results
+    keys = s3_bucket.keys("jobs/ddp/step-000000000005/")
+    assert [k.rsplit("/", 1)[1] for k in keys] == [
+        "manifest.json",
+        "rank-00000-of-00002.json",
+        "rank-00000-of-00002.safetensors",
+        "rank-00001-of-00002.json",
+        "rank-00001-of-00002.safetensors",
+    ]
+    assert trainer_sdk.latest_step(uri) == 5
+    assert s3_bucket.multipart_uploads() == []
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_upload_failing_for_good_leaves_no_committed_step(s3_faults: S3Bucket) -> None:
+    assert s3_faults.proxy is not None
+    uri = s3_faults.uri("jobs/f")
+    good = _model_state(1)
+    trainer_sdk.save(good, uri, step=1)
+
+    s3_faults.proxy.add(Fault(op="UploadPart", part_numbers=frozenset({2}), status=500))
+    with pytest.raises(BatonError, match=r"upload part 2 of .*InternalError"):
+        trainer_sdk.save(_model_state(2), uri, step=2)
+    assert trainer_sdk.latest_step(uri) == 1
+    assert not any("step-000000000002/manifest.json" in k for k in s3_faults.keys(""))
+    assert s3_faults.multipart_uploads() == []  # the writer aborted its upload
+    assert json.loads(s3_faults.get("jobs/f/latest")) == {"step": 1}
+
+    # The manifest PUT (the commit) failing for good: still no step 3.
+    s3_faults.proxy.clear()
+    s3_faults.proxy.add(Fault(op="PutObject", key="*/manifest.json", status=503, code="SlowDown"))
+    with pytest.raises(BatonError, match=r"manifest\.json"):
+        trainer_sdk.save(_model_state(3), uri, step=3)
+    assert trainer_sdk.latest_step(uri) == 1
+
+    fresh = _model_state(9)
+    assert trainer_sdk.load(fresh, uri).step == 1
+    _assert_same(fresh, good)
