@@ -253,7 +253,7 @@ class NoticeBoard:
         self._api: _ApiRequest | None = None
         self._lock = threading.Lock()
 
-    def request(self, *, deadline: datetime | float | None, reason: str) -> None:
+    def request(self, *, deadline: datetime | float | str | None, reason: str) -> None:
         """Record an in-process request (``Checkpointer.request_checkpoint``); thread-safe."""
         when = _as_unix(deadline)
         with self._lock:

@@ -39,9 +39,11 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from trainer_sdk import api
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.storage import Storage, open_storage
 
-__all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers"]
+__all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers", "async_save", "stage_and_commit"]
 
 log = logging.getLogger("trainer_sdk.staging")
 
@@ -224,3 +226,99 @@ class AsyncSaver:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+
+
+def stage_and_commit(
+    saver: AsyncSaver,
+    flat: api.FlatState,
+    plan: api.SavePlan,
+    storage: Storage,
+    *,
+    step: int,
+    trigger: str,
+    on_commit: Callable[[api.SaveInfo, int], None] | None = None,
+) -> AsyncSaveHandle[api.SaveInfo]:
+    """Stage the tensors ``plan`` writes, then write and commit them in the background.
+
+    Every rank of the saver's group calls it at the same step. ``on_commit(info, rank_bytes)``
+    runs on the worker thread after the manifest is written (retention, status).
+    """
+    t0 = time.perf_counter()
+    live = flat.tensors()
+    keys = plan.keys
+    to_stage = {k: live[k] for k in flat.entries if k in keys}
+    world = plan.world_size
+    group = saver.group
+    timeout = saver.timeout.total_seconds()
+
+    def work(staged: dict[str, torch.Tensor], tree: Any) -> api.SaveInfo:
+        t = time.perf_counter()
+        record: api.RankRecord | BaseException
+        try:
+            record = api.write_rank(storage, plan, staged, tree, step=step, flat=flat)
+        except Exception as e:
+            if world == 1:
+                raise
+            record = e  # still take part in the commit, so every rank learns who failed
+        t_write = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            manifest = api.commit(
+                storage, record, step=step, trigger=trigger, process_group=group, timeout=timeout
+            )
+        except BaseException as e:
+            if isinstance(record, BaseException):
+                raise e from record
+            raise
+        info = api.SaveInfo(
+            step=step,
+            uri=storage.uri,
+            bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - t0,
+            phases={"write": t_write, "commit": time.perf_counter() - t},
+            files=len(manifest.files),
+            trigger=trigger,
+        )
+        if on_commit is not None:
+            on_commit(info, plan.nbytes)
+        return info
+
+    return saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
+
+
+# One saver per process for async_save(): its buffers and process group are reused by every
+# call (a dict, not a global statement, so the lock is the only thing that guards it).
+_default: dict[str, AsyncSaver] = {}
+_default_lock = threading.Lock()
+
+
+def async_save(
+    state: Mapping[str, Any],
+    uri: str,
+    *,
+    step: int,
+    trigger: str = "manual",
+    timeout: float = 600.0,
+) -> AsyncSaveHandle[api.SaveInfo]:
+    """Save ``state`` as ``step`` under ``uri`` in the background; returns once staged.
+
+    Every rank calls it, at the same point. The first call creates the host buffers and (under
+    a process group) a gloo group for the background collectives; later calls reuse both, and
+    each waits for the previous save first (raising its error, if it failed). After it
+    returns, the tensors in ``state`` may be modified: the save writes the staged copy. Call
+    ``.wait()`` on the handle (or on the last one before exiting) to learn the outcome.
+    """
+    with _default_lock:
+        saver = _default.get("saver")
+        if saver is None:
+            saver = _default["saver"] = AsyncSaver(timeout=timedelta(seconds=timeout))
+    saver.wait_previous()
+    rank, world = (
+        (dist.get_rank(), dist.get_world_size())
+        if dist.is_available() and dist.is_initialized()
+        else (0, 1)
+    )
+    storage = open_storage(uri)
+    flat = api.flatten(state, process_group=saver.group)
+    plan = api.plan_save(flat, rank, world)
+    return stage_and_commit(saver, flat, plan, storage, step=step, trigger=trigger)

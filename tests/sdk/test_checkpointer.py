@@ -1,0 +1,357 @@
+"""The Checkpointer in one process: policy, retention, fallback, resume rules, async saves."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainer_sdk
+from trainer_sdk import api
+from trainer_sdk.checkpointer import Checkpointer, ResumeError
+from trainer_sdk.errors import CheckpointError
+from trainer_sdk.storage import open_storage
+from trainer_sdk.storage.base import Storage, Writer
+
+
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, n: int = 1) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "BATON_CHECKPOINT_URI",
+        "BATON_RESUME_STEP",
+        "BATON_EVERY_STEPS",
+        "BATON_EVERY_SECONDS",
+        "BATON_KEEP_LAST",
+        "BATON_CONTROL_DIR",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_policy_saves_every_n_steps_and_keeps_the_last_k(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, every_steps=2, keep_last=2) as ck:
+        assert ck.restore() == 0
+        for step in range(1, 8):
+            _train(model, opt)
+            assert ck.step(step) is False
+    assert api.list_steps(str(tmp_path)) == [4, 6]
+    assert trainer_sdk.latest_step(str(tmp_path)) == 6
+
+
+def test_environment_supplies_uri_and_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATON_CHECKPOINT_URI", str(tmp_path / "env"))
+    monkeypatch.setenv("BATON_EVERY_STEPS", "3")
+    monkeypatch.setenv("BATON_KEEP_LAST", "1")
+    model, opt = _model()
+    ck = Checkpointer(model=model, optimizer=opt)
+    assert ck.config.uri == str(tmp_path / "env")
+    assert ck.config.every_steps == 3
+    assert ck.config.keep_last == 1
+    for step in range(1, 7):
+        _train(model, opt)
+        ck.step(step)
+    ck.close()
+    assert api.list_steps(str(tmp_path / "env")) == [6]
+    monkeypatch.setenv("BATON_EVERY_STEPS", "often")
+    with pytest.raises(CheckpointError, match="BATON_EVERY_STEPS"):
+        Checkpointer(model=model, optimizer=opt)
+
+
+def test_restore_loads_model_optimizer_scheduler_and_extra(tmp_path: Path) -> None:
+    model, opt = _model()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=1)
+    with Checkpointer(
+        str(tmp_path), model=model, optimizer=opt, scheduler=sched, extra={"scaler": scaler}
+    ) as ck:
+        ck.restore()
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+        ck.save(3)
+        saved = _params(model)
+        saved_opt = opt.state_dict()
+        saved_sched = sched.state_dict()
+        saved_scale = scaler.get_scale()
+
+    model2, opt2 = _model(seed=1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with Checkpointer(
+        str(tmp_path), model=model2, optimizer=opt2, scheduler=sched2, extra={"scaler": scaler2}
+    ) as ck2:
+        assert ck2.restore() == 3
+    assert _equal(_params(model2), saved)
+    got = opt2.state_dict()
+    for idx, st in saved_opt["state"].items():
+        for key, value in st.items():
+            assert torch.equal(got["state"][idx][key], value)
+    assert got["param_groups"][0]["lr"] == saved_opt["param_groups"][0]["lr"]
+    assert sched2.state_dict()["last_epoch"] == saved_sched["last_epoch"]
+    assert scaler2.get_scale() == saved_scale
+
+
+def test_restore_without_checkpoint_leaves_the_optimizer_untouched(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        assert ck.restore() == 0
+    # get_state_dict would have initialised the optimizer state with a zero step
+    assert not opt.state
+
+
+def _corrupt_newest(root: Path, step: int, how: str) -> Path:
+    shard = next((root / f"step-{step:012d}").glob("rank-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    if how == "flip":
+        data[-5] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    return shard
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, every_steps=5) as ck:
+        ck.restore()
+        for step in range(1, 11):
+            _train(model, opt)
+            if step == 5:
+                at_five = _params(model)
+            ck.step(step)
+    _corrupt_newest(tmp_path, 10, how)
+    model2, opt2 = _model(seed=3)
+    caplog.set_level(logging.INFO, logger="trainer_sdk")
+    with Checkpointer(str(tmp_path), model=model2, optimizer=opt2) as ck2:
+        assert ck2.restore() == 5
+    assert _equal(_params(model2), at_five)
+    assert any(
+        "step 10 could not be loaded" in r.getMessage() and "rank-00000-of-00001" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_resume_step_from_the_operator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, every_steps=5) as ck:
+        for step in range(1, 11):
+            _train(model, opt)
+            ck.step(step)
+    _corrupt_newest(tmp_path, 10, "flip")
+    monkeypatch.setenv("BATON_RESUME_STEP", "10")
+    # strict: refuse and say how to proceed
+    with (
+        Checkpointer(str(tmp_path), model=model, optimizer=opt, resume_fallback=False) as ck,
+        pytest.raises(ResumeError, match=r"BATON_RESUME_STEP=10.*resume_fallback=True"),
+    ):
+        ck.restore()
+    # default: fall back, loudly
+    caplog.set_level(logging.INFO, logger="trainer_sdk")
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        assert ck.restore() == 5
+    assert any(
+        r.levelno == logging.ERROR and "BATON_RESUME_STEP=10" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_incomplete_step_directories_are_cleaned_and_never_loaded(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        _train(model, opt)
+        ck.save(1)
+    crashed = tmp_path / f"step-{7:012d}"
+    crashed.mkdir()
+    (crashed / "rank-00000-of-00001.safetensors").write_bytes(b"half a shard")
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        assert ck.restore() == 1
+    assert not crashed.exists()
+
+
+def test_a_different_accumulation_setting_is_refused(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, accumulation_steps=4) as ck:
+        _train(model, opt)
+        ck.save(1)
+    with (
+        Checkpointer(str(tmp_path), model=model, optimizer=opt, accumulation_steps=2) as ck,
+        pytest.raises(ResumeError, match="accumulation_steps=4"),
+    ):
+        ck.restore()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, accumulation_steps=4) as ck:
+        assert ck.restore() == 1
+
+
+def test_bad_settings_name_the_fix(tmp_path: Path) -> None:
+    model, opt = _model()
+    with pytest.raises(CheckpointError, match="keep at least 1"):
+        Checkpointer(str(tmp_path), model=model, optimizer=opt, keep_last=0)
+    with pytest.raises(CheckpointError, match="pass model="):
+        Checkpointer(str(tmp_path), optimizer=opt)
+    with pytest.raises(CheckpointError, match="ResumableSampler"):
+        Checkpointer(str(tmp_path), model=model, dataloader=[1, 2, 3]).save(1)
+
+
+# ---- async ---------------------------------------------------------------------------------
+
+
+def test_async_save_is_the_staged_state_even_if_tensors_change_at_once(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(
+        str(tmp_path), model=model, optimizer=opt, every_steps=1, async_save=True
+    ) as ck:
+        _train(model, opt)
+        staged = _params(model)
+        ck.step(1)
+        handle = ck.last_save
+        assert handle is not None
+        assert handle.step == 1
+        # mutate right away, while the background write may still run
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1000.0)
+        handle.wait()
+        assert handle.done()
+        assert handle.exception() is None
+    model2, opt2 = _model(seed=9)
+    with Checkpointer(str(tmp_path), model=model2, optimizer=opt2) as ck2:
+        assert ck2.restore() == 1
+    assert _equal(_params(model2), staged)
+
+
+def test_async_save_buffers_are_reused_across_saves(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(
+        str(tmp_path), model=model, optimizer=opt, every_steps=1, async_save=True, keep_last=1
+    ) as ck:
+        for step in range(1, 5):
+            _train(model, opt)
+            ck.step(step)
+        assert ck._saver is not None
+        first = ck._saver.buffers.allocations
+        _train(model, opt)
+        ck.step(5)
+        ck.wait()
+        assert ck._saver.buffers.allocations == first
+    assert api.list_steps(str(tmp_path)) == [5]
+
+
+class _FullDisk:
+    """A storage whose shard writes fail with ENOSPC after ``budget`` bytes, like a full disk.
+
+    Injected because this sandbox runs as root (read-only directories do not stop root) and
+    cannot mount a small filesystem; everything else goes to the real local storage.
+    """
+
+    def __init__(self, inner: Storage, fail_from_step: int) -> None:
+        self.inner = inner
+        self.fail_from_step = fail_from_step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def open_writer(self, path: str, *, size_hint: int | None = None) -> Writer:
+        writer = self.inner.open_writer(path, size_hint=size_hint)
+        step = (
+            int(path.split("/", maxsplit=1)[0].removeprefix("step-"))
+            if path.startswith("step-")
+            else -1
+        )
+        if step < self.fail_from_step:
+            return writer
+        outer = self
+
+        class _W:
+            def write(self, data: memoryview | bytes) -> None:
+                raise OSError(
+                    errno.ENOSPC, f"No space left on device (step {outer.fail_from_step})"
+                )
+
+            def commit(self) -> None:
+                writer.commit()
+
+            def abort(self) -> None:
+                writer.abort()
+
+        return _W()
+
+
+def test_a_background_write_failure_surfaces_at_the_next_step(tmp_path: Path) -> None:
+    model, opt = _model()
+    storage = _FullDisk(open_storage(str(tmp_path)), fail_from_step=4)
+    ck = Checkpointer(storage, model=model, optimizer=opt, every_steps=2, async_save=True)
+    _train(model, opt)
+    ck.step(1)
+    _train(model, opt)
+    ck.step(2)  # a good save
+    ck.wait()
+    _train(model, opt)
+    ck.step(3)
+    _train(model, opt)
+    ck.step(4)  # fails in the background
+    handle = ck.last_save
+    assert handle is not None
+    for _ in range(200):
+        if handle.done():
+            break
+        import time
+
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="No space left on device") as info:
+        ck.step(5)
+    assert isinstance(info.value.__cause__, Exception)
+    ck.close()
+    # the failed step never became visible; the good one is intact
+    assert api.list_steps(str(tmp_path)) == [2]
+
+
+def test_close_raises_a_pending_background_failure(tmp_path: Path) -> None:
+    model, opt = _model()
+    storage = _FullDisk(open_storage(str(tmp_path)), fail_from_step=1)
+    ck = Checkpointer(storage, model=model, optimizer=opt, every_steps=1, async_save=True)
+    _train(model, opt)
+    ck.step(1)
+    with pytest.raises(OSError, match="No space left"):
+        ck.close()
+

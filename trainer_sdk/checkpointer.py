@@ -1,0 +1,820 @@
+"""The training-loop face of the SDK: restore, save by policy, and save at once on a notice.
+
+A training script needs three calls::
+
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, dataloader=loader,
+                        extra={"scaler": scaler}, every_steps=100)
+    start = ckpt.restore()                 # 0 when there is no checkpoint
+    for step in range(start, total):
+        train_one_optimizer_step()
+        if ckpt.step(step + 1):            # True: a notice was served, stop now
+            break
+    ckpt.close()
+
+Every rank makes the same calls with the same step numbers. At each step boundary the ranks
+exchange, in one small collective on a gloo group of their own, what they have heard (SIGTERM,
+a request in the control directory, ``request_checkpoint``, a failed background save) and
+rank 0's clock. So every decision (save now, save for a notice, raise a background failure) is
+taken identically on every rank, and every rank saves the same step.
+
+What is saved: model and optimizer state through ``torch.distributed.checkpoint.state_dict``
+(plain modules, DDP, FSDP2), the scheduler, the dataloader's sampler (any Stateful, e.g.
+:class:`~trainer_sdk.ResumableSampler`), ``extra`` objects, every RNG stream of each rank, and
+the step. See ``docs/checkpointer.md`` for the policies, the resume rules and the guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from trainer_sdk import api, rng
+from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk._types import RankLocal, Stateful
+from trainer_sdk.control import ControlChannel, State, Status
+from trainer_sdk.errors import CheckpointError
+from trainer_sdk.layout import step_dir
+from trainer_sdk.sampler import find_sampler
+from trainer_sdk.signals import (
+    Agreement,
+    ControlPoller,
+    LocalNotice,
+    NoticeBoard,
+    SigtermListener,
+    agree,
+    agree_max,
+)
+from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver, stage_and_commit
+from trainer_sdk.storage import Storage, open_storage
+
+__all__ = ["Checkpointer", "CheckpointerConfig", "ResumeError"]
+
+log = logging.getLogger("trainer_sdk.checkpointer")
+
+_DEFAULT_URI: Final = "./checkpoints"
+_HEARTBEAT_EVERY_S: Final = 5.0
+_NO_STEP: Final = 10**12  # above every valid step number
+
+
+class ResumeError(CheckpointError):
+    """``restore()`` could not resume as asked (a setting differs from the checkpoint, or
+    ``BATON_RESUME_STEP`` names a step that cannot be loaded and ``resume_fallback`` is off)."""
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise CheckpointError(f"${name}={raw!r} is not an integer: set it to a whole number") from e
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise CheckpointError(f"${name}={raw!r} is not a number: set it to seconds") from e
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class CheckpointerConfig:
+    """The resolved policy of a :class:`Checkpointer` (arguments first, then environment)."""
+
+    uri: str
+    """Checkpoint root: a path, ``file://...`` or ``s3://...``."""
+    every_steps: int | None
+    """Save when ``step % every_steps == 0``; ``None``: no step-based saves."""
+    every_seconds: float | None
+    """Save when this many seconds passed since the last save, by rank 0's clock."""
+    keep_last: int
+    """Complete checkpoints to keep (>= 1). Older ones are deleted after a newer commit."""
+    async_save: bool
+    """Periodic saves stage on the caller's thread and write in the background."""
+    control_dir: str | None
+    """The sidecar's control directory; ``None``: no control channel."""
+    handle_sigterm: bool
+    """Turn SIGTERM into an emergency save at the next step boundary."""
+    notice_every: int
+    """Run the notice collective every this many steps (1: every step)."""
+    deadline_margin: float
+    """Seconds kept free before a deadline; a save that would end later is skipped."""
+    timeout: timedelta
+    """Bound on every collective the Checkpointer runs; a rank that does not answer fails
+    the save with an error instead of hanging."""
+    accumulation_steps: int | None
+    """Declared gradient-accumulation steps; a resume with another value is refused."""
+    resume_fallback: bool
+    """When ``BATON_RESUME_STEP`` cannot be loaded: fall back to the newest complete older step
+    (True, logged as an error) or raise :class:`ResumeError` (False)."""
+    probe_bytes: int
+    """Size of the probe write that calibrates the save-time estimate before the first save."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise CheckpointError(
+                f"every_steps={self.every_steps}: use a positive number or None for no step policy"
+            )
+        if self.every_seconds is not None and self.every_seconds <= 0:
+            raise CheckpointError(
+                f"every_seconds={self.every_seconds}: use a positive number or None"
+            )
+        if self.keep_last < 1:
+            raise CheckpointError(
+                f"keep_last={self.keep_last}: keep at least 1 (the newest complete checkpoint "
+                "is never deleted)"
+            )
+        if self.notice_every < 1:
+            raise CheckpointError(f"notice_every={self.notice_every}: use 1 or more")
+        if self.deadline_margin < 0:
+            raise CheckpointError("deadline_margin must be >= 0 seconds")
+        if self.accumulation_steps is not None and self.accumulation_steps < 1:
+            raise CheckpointError("accumulation_steps must be >= 1 (or None if not declared)")
+
+
+class Checkpointer:
+    """Saves and restores the whole training state; see the module docstring.
+
+    Build it on every rank, on the main thread, after ``init_process_group`` (if any) and
+    after building the model, optimizer, scheduler and dataloader.
+    """
+
+    def __init__(
+        self,
+        uri: str | Storage | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        dataloader: Any | None = None,
+        extra: Mapping[str, Any] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        control_dir: str | None = None,
+        handle_sigterm: bool = True,
+        notice_every: int = 1,
+        deadline_margin: float = 5.0,
+        timeout: timedelta | float = timedelta(minutes=10),
+        accumulation_steps: int | None = None,
+        resume_fallback: bool = True,
+        probe_bytes: int = 8 << 20,
+    ) -> None:
+        if optimizer is not None and model is None:
+            raise CheckpointError(
+                "optimizer given without model: pass model= too (optimizer state is keyed by "
+                "the model's parameter names)"
+            )
+        storage = uri if isinstance(uri, Storage) else None
+        resolved = (
+            storage.uri
+            if storage is not None
+            else (uri or os.environ.get("BATON_CHECKPOINT_URI") or _DEFAULT_URI)
+        )
+        self.config = CheckpointerConfig(
+            uri=str(resolved),
+            every_steps=every_steps if every_steps is not None else _env_int("BATON_EVERY_STEPS"),
+            every_seconds=every_seconds
+            if every_seconds is not None
+            else _env_float("BATON_EVERY_SECONDS"),
+            keep_last=keep_last if keep_last is not None else (_env_int("BATON_KEEP_LAST") or 3),
+            async_save=async_save,
+            control_dir=control_dir or os.environ.get("BATON_CONTROL_DIR") or None,
+            handle_sigterm=handle_sigterm,
+            notice_every=notice_every,
+            deadline_margin=deadline_margin,
+            timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
+            accumulation_steps=accumulation_steps,
+            resume_fallback=resume_fallback,
+            probe_bytes=probe_bytes,
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.dataloader = dataloader
+        self.extra = extra
+        # Checked now, so that a wrong dataloader fails at start-up, not at the first save.
+        self._loader_state = _loader_state(dataloader) if dataloader is not None else None
+        self.storage: Storage = storage if storage is not None else open_storage(self.config.uri)
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        # Main-thread checkpoint collectives (agreement, sync saves, restore) get a gloo group
+        # of their own: the training group may be NCCL, and must not see extra collectives.
+        self._group: Any | None = None
+        if self.distributed and self.world_size > 1:
+            self._group = dist.new_group(backend="gloo", timeout=self.config.timeout)
+        # Built by every rank in the same order: it creates the background save group.
+        self._saver: AsyncSaver | None = (
+            AsyncSaver(timeout=self.config.timeout) if self.config.async_save else None
+        )
+
+        self._sigterm = SigtermListener() if handle_sigterm else None
+        if self._sigterm is not None:
+            self._sigterm.install()
+        self._channel = ControlChannel(self.config.control_dir) if self.config.control_dir else None
+        poller = (
+            ControlPoller(self._channel)
+            if self._channel is not None and self.local_rank == 0
+            else None
+        )
+        self._board = NoticeBoard(sigterm=self._sigterm, poller=poller)
+        self._estimator = SaveEstimator()
+        self._last_save_time = time.monotonic()
+        self._last_saved_step: int | None = None
+        self._last_committed: int | None = None
+        self._status = Status(state=State.IDLE)
+        self._status_lock = threading.Lock()
+        self._last_beat = 0.0
+        self._closed = False
+        self._write_status(self._status)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint into the objects; return the step to continue
+        from (0 when there is none).
+
+        A checkpoint that fails to load (corrupt or truncated file, bad manifest) is skipped
+        with a log line and the next older complete one is tried; every rank loads the same
+        step. ``BATON_RESUME_STEP`` (set by the operator) is checked against the step loaded:
+        see ``resume_fallback``.
+        """
+        self._check_open()
+        expected = _env_int("BATON_RESUME_STEP")
+        if self.rank == 0:
+            # Crashed saves leave step directories without a manifest; they never count. No
+            # rank saves before restore() returns, so every such directory is garbage now.
+            for name in api.cleanup_incomplete(self.storage.uri, older_than=_NO_STEP):
+                log.info("removed incomplete checkpoint directory %s", name)
+        steps = self._agreed_steps()
+        if not self._estimator.measured:
+            self._probe()
+        loaded: int | None = None
+        for candidate in sorted(steps, reverse=True):
+            error: BaseException | None = None
+            try:
+                self._load(candidate)
+            except ResumeError:
+                raise  # a setting differs from the checkpoint: an older one would not help
+            except (CheckpointError, OSError, ValueError, KeyError) as e:
+                error = e
+            ok = self._all_ok(error is None)
+            if ok:
+                loaded = candidate
+                break
+            log.error(
+                "checkpoint step %d could not be loaded (%s); falling back to an older step",
+                candidate,
+                error if error is not None else "another rank failed to load it",
+            )
+        if expected is not None and (loaded is None or loaded < expected):
+            msg = (
+                f"BATON_RESUME_STEP={expected} but the newest loadable checkpoint under "
+                f"{self.config.uri} is {'none' if loaded is None else f'step {loaded}'}"
+            )
+            if not self.config.resume_fallback:
+                raise ResumeError(
+                    f"{msg}: check the storage, or pass resume_fallback=True to resume from the "
+                    "newest loadable step"
+                )
+            log.error("%s; resuming from it instead (steps since it are lost)", msg)
+        elif expected is not None and loaded is not None and loaded > expected:
+            log.info(
+                "BATON_RESUME_STEP=%d but the newer step %d is complete; resuming from it",
+                expected,
+                loaded,
+            )
+        if loaded is None:
+            log.info("no checkpoint under %s: starting from step 0", self.config.uri)
+            return 0
+        log.info("resumed from step %d of %s", loaded, self.config.uri)
+        self._last_saved_step = loaded
+        self._last_committed = loaded
+        self._last_save_time = time.monotonic()
+        self._update_status(last_committed_step=loaded)
+        return loaded
+
+    def step(self, step: int) -> bool:
+        """Call after each optimizer step with the number of optimizer steps done.
+
+        Saves when the policy says so, serves a pending notice with a synchronous save of this
+        step on every rank, and raises a background save's failure. Returns True after a
+        notice was served (committed or skipped): the caller should stop training.
+        """
+        self._check_open()
+        saver = self._saver
+        handle = saver.in_flight if saver is not None else None
+        bg_failed = handle is not None and handle.exception() is not None
+        due_seconds = (
+            self.config.every_seconds is not None
+            and time.monotonic() - self._last_save_time >= self.config.every_seconds
+        )
+        agreement: Agreement | None = None
+        local: LocalNotice | None = None
+        if self._group is None or step % self.config.notice_every == 0:
+            local = self._board.local(background_failed=bg_failed, periodic_due=due_seconds)
+            agreement = agree(local, rank=self.rank, group=self._group)
+        self._heartbeat()
+        if agreement is not None and agreement.background_failed:
+            self._raise_background_failure()
+        if agreement is not None and local is not None and agreement.notice:
+            return self._serve_notice(step, local, agreement)
+        periodic = (
+            self.config.every_steps is not None and step % self.config.every_steps == 0
+        ) or (agreement is not None and agreement.periodic_due)
+        if periodic and step != self._last_saved_step:
+            self._save(step, trigger="periodic", background=self.config.async_save)
+        return False
+
+    def save(self, step: int, *, trigger: str = "manual") -> None:
+        """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
+        self._check_open()
+        self._save(step, trigger=trigger, background=False)
+
+    def request_checkpoint(
+        self, *, deadline: datetime | float | str | None = None, reason: str = ""
+    ) -> None:
+        """Ask for an emergency save at the next step boundary (this rank is enough).
+
+        ``deadline``: an aware datetime, a UNIX time in seconds or an RFC 3339 string; the
+        save is skipped, not started, if it is estimated to end after ``deadline - margin``.
+        """
+        self._board.request(deadline=deadline, reason=reason or "request_checkpoint")
+
+    @property
+    def last_save(self) -> AsyncSaveHandle[Any] | None:
+        """The handle of the last background save, if any."""
+        return self._saver.in_flight if self._saver is not None else None
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this Checkpointer loaded or committed."""
+        return self._last_committed
+
+    def wait(self) -> None:
+        """Wait for a background save in flight; raise its failure."""
+        if self._saver is not None:
+            self._drain()
+
+    def close(self) -> None:
+        """Drain the background save (raising its failure) and restore the SIGTERM handler."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._saver is not None:
+                try:
+                    self._drain()
+                finally:
+                    self._saver.close()
+        finally:
+            if self._sigterm is not None:
+                self._sigterm.uninstall()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _state(self, step: int) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                get_state_dict,
+            )
+
+            if self.optimizer is not None:
+                model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+                state["model"] = model_sd
+                state["optimizer"] = optim_sd
+            else:
+                state["model"] = get_model_state_dict(self.model)
+        if self.scheduler is not None:
+            state["scheduler"] = _stateful(self.scheduler, "scheduler")
+        if self.dataloader is not None:
+            state["dataloader"] = self._loader_state
+        if self.extra:
+            state["extra"] = dict(self.extra)
+        state["rng"] = RankLocal(_pack_rng(rng.capture()))
+        state["baton"] = {
+            "step": step,
+            "world_size": self.world_size,
+            "accumulation_steps": self.config.accumulation_steps,
+        }
+        return state
+
+    def _load(self, step: int) -> None:
+        state = self._state(step)
+        api.load(
+            state,
+            self.storage.uri,
+            step=step,
+            process_group=self._group,
+            timeout=self.config.timeout.total_seconds(),
+        )
+        meta = state["baton"]
+        saved_accum = meta.get("accumulation_steps")
+        if (
+            self.config.accumulation_steps is not None
+            and saved_accum is not None
+            and saved_accum != self.config.accumulation_steps
+        ):
+            raise ResumeError(
+                f"checkpoint step {step} was trained with accumulation_steps={saved_accum}, "
+                f"this run declares {self.config.accumulation_steps}: resume with "
+                f"accumulation_steps={saved_accum}, or start a new run under another uri"
+            )
+        if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import (
+                set_model_state_dict,
+                set_state_dict,
+            )
+
+            if self.optimizer is not None:
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optimizer"],
+                )
+            else:
+                set_model_state_dict(self.model, state["model"])
+        # RNG last: nothing after this may draw random numbers before training resumes.
+        rng.restore(_unpack_rng(state["rng"].value))
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
+        state = self._state(step)
+        flat = api.flatten(state, process_group=self._group)
+        return flat, api.plan_save(flat, self.rank, self.world_size)
+
+    def _save(
+        self,
+        step: int,
+        *,
+        trigger: str,
+        background: bool,
+        prepared: tuple[api.FlatState, api.SavePlan] | None = None,
+    ) -> float:
+        """Save ``step``; returns the seconds it took (staging only, when ``background``)."""
+        start = time.perf_counter()
+        self._last_save_time = time.monotonic()
+        self._last_saved_step = step
+        if background:
+            assert self._saver is not None
+            # At most one save in flight: wait for (and raise the failure of) the previous.
+            self._saver.wait_previous()
+            flat, plan = prepared or self._prepare(step)
+            handle = stage_and_commit(
+                self._saver,
+                flat,
+                plan,
+                self.storage,
+                step=step,
+                trigger=trigger,
+                on_commit=self._after_commit,
+            )
+            return handle.stage_seconds
+        self._drain()
+        flat, plan = prepared or self._prepare(step)
+        record: api.RankRecord | BaseException
+        try:
+            record = api.write_rank(
+                self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat
+            )
+        except Exception as e:
+            if self._group is None:
+                raise
+            record = e  # still take part in the commit, so every rank learns who failed
+        try:
+            manifest = api.commit(
+                self.storage,
+                record,
+                step=step,
+                trigger=trigger,
+                process_group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+            )
+        except BaseException as e:
+            if isinstance(record, BaseException):
+                raise e from record
+            raise
+        seconds = time.perf_counter() - start
+        info = api.SaveInfo(
+            step=step,
+            uri=self.storage.uri,
+            bytes=manifest.total_bytes,
+            seconds=seconds,
+            phases={"save": seconds},
+            files=len(manifest.files),
+            trigger=trigger,
+        )
+        self._after_commit(info, plan.nbytes)
+        return seconds
+
+    def _after_commit(self, info: api.SaveInfo, rank_bytes: int) -> None:
+        # Runs on the training thread (sync saves) or the worker thread (async saves), after
+        # the manifest is written: only now may older checkpoints go.
+        self._estimator.record(rank_bytes, info.seconds)
+        self._last_committed = info.step
+        if self.rank == 0:
+            _retain(self.storage, committed=info.step, keep_last=self.config.keep_last)
+        self._update_status(last_committed_step=info.step)
+
+    def _drain(self) -> None:
+        if self._saver is None:
+            return
+        self._saver.wait_previous()
+
+    def _raise_background_failure(self) -> None:
+        try:
+            self._drain()
+        except BaseException as e:
+            raise CheckpointError(
+                f"a background save failed: {e}. The previous complete checkpoint is "
+                "unaffected; fix the cause (see the chained error) and restart"
+            ) from e
+        raise CheckpointError(
+            "a background save failed on another rank (see that rank's log); the previous "
+            "complete checkpoint is unaffected"
+        )
+
+    # ---- notices --------------------------------------------------------------------------
+
+    def _serve_notice(self, step: int, local: LocalNotice, agreement: Agreement) -> bool:
+        notice_t = time.perf_counter()
+        trigger = agreement.trigger
+        deadline_dt = (
+            None
+            if agreement.deadline is None
+            else datetime.fromtimestamp(agreement.deadline, tz=UTC)
+        )
+        log.warning(
+            "rank %d: checkpoint notice (%s) at step %d%s",
+            self.rank,
+            ", ".join(sorted(agreement.sources)),
+            step,
+            "" if deadline_dt is None else f", deadline {deadline_dt.isoformat()}",
+        )
+        self._update_status(
+            state=State.REQUESTED,
+            request_id=local.control.id if local.control is not None else None,
+            step=step,
+            trigger=trigger,
+            deadline=deadline_dt,
+            error=None,
+            seconds=None,
+            phases={},
+            bytes=None,
+            uri=None,
+        )
+        bg_error: BaseException | None = None
+        try:
+            # An async save in flight finishes first: it is an older, consistent step and
+            # commits normally. If it failed, the emergency save still goes ahead, and the
+            # failure is raised after it.
+            try:
+                self._drain()
+            except Exception as e:
+                bg_error = e
+                log.error("the background save before the emergency save failed: %s", e)
+            drain_s = time.perf_counter() - notice_t
+            if step == self._last_committed:
+                # Already committed at this very step (a periodic save just before): done.
+                self._finish_notice(local, step, notice_t, {"drain": drain_s}, 0)
+                return self._after_notice(step, bg_error)
+            t = time.perf_counter()
+            prepared = self._prepare(step)
+            nbytes = prepared[1].nbytes
+            if not self._estimator.measured:
+                self._probe()
+            estimate = self._estimator.estimate(nbytes) or 0.0
+            # The slowest rank's estimate against rank 0's clock: the same verdict everywhere.
+            est_max, now0 = agree_max(
+                [estimate, time.time() if self.rank == 0 else 0.0], group=self._group
+            )
+            plan_s = time.perf_counter() - t
+            if agreement.deadline is not None:
+                left = agreement.deadline - self.config.deadline_margin - now0
+                if est_max > left:
+                    reason = (
+                        f"skipped: a save of step {step} is estimated at {est_max:.2f}s but only "
+                        f"{max(left, 0.0):.2f}s are left before the deadline minus the "
+                        f"{self.config.deadline_margin:g}s margin; the job will resume from "
+                        + (
+                            f"step {self._last_committed}"
+                            if self._last_committed is not None
+                            else "the start (no checkpoint yet)"
+                        )
+                    )
+                    log.error("%s", reason)
+                    self._update_status(
+                        state=State.SKIPPED,
+                        error=reason,
+                        seconds=time.perf_counter() - notice_t,
+                        phases={"drain": drain_s, "plan": plan_s},
+                    )
+                    self._board.served(local)
+                    return self._after_notice(step, bg_error)
+            self._update_status(state=State.SAVING)
+            save_s = self._save(step, trigger=trigger, background=False, prepared=prepared)
+            phases = {"drain": drain_s, "plan": plan_s, "write": save_s}
+            self._finish_notice(local, step, notice_t, phases, nbytes)
+        except BaseException as e:
+            self._update_status(state=State.FAILED, error=f"{type(e).__name__}: {e}")
+            self._board.served(local)
+            raise
+        return self._after_notice(step, bg_error)
+
+    def _finish_notice(
+        self,
+        local: LocalNotice,
+        step: int,
+        notice_t: float,
+        phases: dict[str, float],
+        nbytes: int,
+    ) -> None:
+        total_bytes = int(agree_max([float(nbytes)], group=self._group)[0]) * self.world_size
+        total = time.perf_counter() - notice_t
+        self._update_status(
+            state=State.COMMITTED,
+            seconds=total,
+            uri=self._step_uri(step),
+            phases=phases,
+            bytes=total_bytes,
+            last_committed_step=step,
+        )
+        self._board.served(local)
+        log.warning(
+            "rank %d: emergency checkpoint of step %d committed in %.2fs", self.rank, step, total
+        )
+
+    def _after_notice(self, step: int, bg_error: BaseException | None) -> bool:
+        if bg_error is not None:
+            raise CheckpointError(
+                f"the notice at step {step} was served, but the background save before it "
+                f"failed: {bg_error}"
+            ) from bg_error
+        return True
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _agreed_steps(self) -> list[int]:
+        steps = api.list_steps(self.storage.uri) if self.rank == 0 else []
+        if self._group is None:
+            return steps
+        count = torch.tensor([len(steps)], dtype=torch.int64)
+        dist.broadcast(count, src=_global_rank0(self._group), group=self._group)
+        buf = torch.tensor(steps if self.rank == 0 else [0] * int(count.item()), dtype=torch.int64)
+        if buf.numel():
+            dist.broadcast(buf, src=_global_rank0(self._group), group=self._group)
+        return [int(s) for s in buf.tolist()]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self._group is None:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item()) == 0
+
+    def _probe(self) -> None:
+        try:
+            nbytes, seconds = probe_write(
+                self.storage, rank=self.rank, nbytes=self.config.probe_bytes
+            )
+        except OSError as e:
+            log.warning(
+                "probe write to %s failed (%s): no save-time estimate yet", self.config.uri, e
+            )
+            return
+        self._estimator.record(nbytes, seconds, probe=True)
+
+    def _step_uri(self, step: int) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= _HEARTBEAT_EVERY_S:
+            self._last_beat = now
+            self._update_status()
+
+    def _update_status(self, *, beat: bool = False, **changes: Any) -> None:
+        """Change fields of the status and write it (thread-safe: async commits call it)."""
+        with self._status_lock:
+            status = dataclasses.replace(self._status, **changes) if changes else self._status
+            if changes and "updated" not in changes and "state" in changes:
+                status = dataclasses.replace(status, updated=datetime.now(UTC))
+            status = status.beat()
+            self._status = status
+            self._write_status(status)
+
+    def _write_status(self, status: Status) -> None:
+        if self._channel is None or self.local_rank != 0:
+            return
+        try:
+            self._channel.write_status(status)
+        except OSError as e:
+            log.warning("could not write %s: %s", self._channel.status_path, e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed: build a new one")
+
+
+def _pack_rng(captured: dict[str, Any]) -> dict[str, Any]:
+    """Python's Mersenne Twister state (625 ints) as one int64 tensor instead of a JSON list.
+
+    Same values, but one tensor entry instead of 625 JSON leaves, which the flattening walk
+    would visit one by one on every save (it is on the blocking path of an async save).
+    """
+    py = captured.get("python")
+    if isinstance(py, dict) and isinstance(py.get("state"), list):
+        captured = {
+            **captured,
+            "python": {**py, "state": torch.tensor(py["state"], dtype=torch.int64)},
+        }
+    return captured
+
+
+def _unpack_rng(saved: dict[str, Any]) -> dict[str, Any]:
+    py = saved.get("python")
+    if isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor):
+        saved = {**saved, "python": {**py, "state": [int(x) for x in py["state"].tolist()]}}
+    return saved
+
+
+def _retain(storage: Storage, *, committed: int, keep_last: int) -> None:
+    """Delete complete steps beyond the newest ``keep_last``, and incomplete step directories
+    older than ``committed``, which crashed or failed saves left.
+
+    Called on rank 0 only after ``committed``'s manifest is written, so the newest complete
+    checkpoint is never deleted, and never before its successor is durable. Only steps older
+    than ``committed`` are touched: a newer directory may be a save that another rank has
+    already started (the next async save), and is not ours to judge.
+    """
+    complete = api.list_steps(storage.uri)
+    keep = set(sorted(complete)[-keep_last:]) | {committed}
+    for old in complete:
+        if old < committed and old not in keep:
+            api.delete_step(storage.uri, old)
+    for name in api.cleanup_incomplete(storage.uri, older_than=committed):
+        log.info("removed incomplete checkpoint directory %s", name)
+
+
+def _global_rank0(group: Any) -> int:
+    return int(dist.get_global_rank(group, 0))
+
+
+def _stateful(obj: Any, what: str) -> Any:
+    if not isinstance(obj, Stateful):
+        raise CheckpointError(
+            f"{what} of type {type(obj).__name__} has no state_dict()/load_state_dict(): "
+            "pass an object that has both"
+        )
+    return obj
+
+
+def _loader_state(loader: Any) -> Any:
+    """The Stateful part of a dataloader: itself, else its sampler or batch sampler's sampler."""
+    if isinstance(loader, Stateful):
+        return loader
+    if isinstance(loader, DataLoader):
+        # find_sampler also tells the sampler whether workers prefetch ahead of the loop.
+        sampler = find_sampler(loader)
+        if sampler is not None:
+            return sampler
+    for candidate in (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        getattr(loader, "batch_sampler", None),
+    ):
+        if isinstance(candidate, Stateful):
+            return candidate
+    raise CheckpointError(
+        f"dataloader of type {type(loader).__name__} has no resumable state: build it with "
+        "sampler=trainer_sdk.ResumableSampler(...) (or pass any object with "
+        "state_dict()/load_state_dict())"
+    )
