@@ -272,11 +272,19 @@ def _child_main(spec_path: str) -> int:
         # skip the process-group teardown: peers may be gone, and a clean exit must not hang
         os._exit(1)
     result_path.write_text(json.dumps(payload, default=repr))
+    sys.stdout.flush()
+    sys.stderr.flush()
     if pg_started:
+        # Tear down in a helper thread with a bound: after a fault test a collective may still
+        # be pending in the backend, and destroying the group would then wait for it forever.
+        import threading
+
         import torch.distributed as dist
 
-        dist.destroy_process_group()
-    return 0
+        t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        t.start()
+        t.join(timeout=10.0)
+    os._exit(0)
 
 
 if __name__ == "__main__":
