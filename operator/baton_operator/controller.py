@@ -121,6 +121,26 @@ class JobMemory:
 
     token: str | None = None
     next_progress_poll: datetime | None = None
+    attempt: int | None = None
+    """The attempt ``reports`` belong to."""
+    reports: dict[int, SidecarStatus] = field(default_factory=dict)
+    """The last answer of each rank's sidecar in this attempt. A sidecar stops soon after its
+    trainer (native sidecar), so its last word is kept here for the decision after."""
+
+    def for_attempt(self, attempt: int) -> None:
+        """Forget the reports of an earlier attempt."""
+        if self.attempt != attempt:
+            self.attempt = attempt
+            self.reports = {}
+
+    def served_notice(self, rank: int) -> bool:
+        """The rank's SDK reported serving a notice (a save for a request or a signal)."""
+        r = self.reports.get(rank)
+        return (
+            r is not None
+            and r.state in ("committed", "skipped")
+            and (r.trigger in ("notice", "signal") or bool(r.request_id))
+        )
 
 
 @dataclass
@@ -225,53 +245,65 @@ class Reconciler:
 
     # ----------------------------------------------------------------- entry point
 
-    async def tick(self, namespace: str, name: str, memory: JobMemory) -> bool:
-        """Reconcile once; False when the job is gone or finished (the daemon may stop)."""
+    async def tick(self, namespace: str, name: str, memory: JobMemory) -> float | None:
+        """Reconcile once. Returns seconds until the next tick, or None when the job is gone
+        or finished (the daemon may stop)."""
         job = await self._kube.get_job(namespace, name)
         if job is None:
-            return False
+            return None
         spec = JobSpec.from_body(job)
         status: dict[str, Any] = dict(job.get("status") or {})
         phase = Phase(status["phase"]) if status.get("phase") else None
         now = _now()
+        tick = self._config.tick_seconds
         if phase is None:
             await self._start(job, spec, now)
-            return True
+            return tick
         pods = await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
         if phase in (Phase.SUCCEEDED, Phase.FAILED):
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not self._finished(p)], now)
-            return False
+            return None
         if memory.token is None:
             memory.token = await self._kube.read_secret_key(
                 namespace, manifests.secret_name(spec.name), manifests.TOKEN_KEY
             )
         attempt = int(status.get("attempt", 0))
+        memory.for_attempt(attempt)
         current = {_rank_of(p): p for p in pods if _attempt_of(p) == attempt}
         stale = [p for p in pods if _attempt_of(p) != attempt]
         t = _Tick(job=job, spec=spec, status=status, current=current, memory=memory, now=now)
         if phase is Phase.RESTARTING:
             await self._restarting(t, stale)
-            return True
+            return tick
         if stale:
             await self._delete_pods(spec, stale, now)
         replicas = int(status.get("replicas") or spec.replicas)
         views = [
-            self._view(spec.name, rank, current.get(rank), status, now) for rank in range(replicas)
+            self._view(
+                job=spec.name,
+                rank=rank,
+                pod=current.get(rank),
+                status=status,
+                memory=memory,
+                now=now,
+            )
+            for rank in range(replicas)
         ]
         t.views = views
         if phase is Phase.CHECKPOINTING:
             await self._checkpointing(t)
-            return True
+            # A sidecar lives only a moment after its trainer stops: poll it often.
+            return min(tick, 0.25)
         await self._ensure_pods(spec, status, current, replicas, now)
         notice = self._notice(current, now)
         if notice is not None:
             await self._begin_checkpoint(t, phase, notice)
-            return True
+            return min(tick, 0.25)
         await self._progress(t)
         outcome, detail = lifecycle.classify(views, replicas)
         await self._act(t, phase, outcome, detail)
-        return True
+        return tick
 
     # ----------------------------------------------------------------- observation
 
@@ -280,10 +312,12 @@ class Reconciler:
 
     def _view(
         self,
+        *,
         job: str,
         rank: int,
         pod: Mapping[str, Any] | None,
         status: Mapping[str, Any],
+        memory: JobMemory,
         now: datetime,
     ) -> RankView:
         attempt = int(status.get("attempt", 0))
@@ -291,7 +325,12 @@ class Reconciler:
         if pod is None:
             # Missing is only a fault once the attempt's pods were all created (masterAddr is
             # recorded after that); before, the pod simply does not exist yet.
-            return RankView(rank=rank, pod=name, exists=not status.get("masterAddr"))
+            return RankView(
+                rank=rank,
+                pod=name,
+                exists=not status.get("masterAddr"),
+                served_notice=memory.served_notice(rank),
+            )
         meta = pod.get("metadata") or {}
         pstatus = pod.get("status") or {}
         node = (pod.get("spec") or {}).get("nodeName")
@@ -307,6 +346,9 @@ class Reconciler:
             unschedulable=_unschedulable(pod),
             node_lost=self._cluster.node_lost(node, now=now),
             deleting=bool(meta.get("deletionTimestamp")),
+            disrupted=bool(meta.get("deletionTimestamp"))
+            or pod_notice(pod, now=now, graces=self._config.graces) is not None,
+            served_notice=memory.served_notice(rank),
         )
 
     def _notice(self, current: Mapping[int, Mapping[str, Any]], now: datetime) -> Notice | None:
@@ -617,9 +659,6 @@ class Reconciler:
         received = parse_time(notice.get("receivedAt")) or now
         token = memory.token or ""
         replicas = len(views)
-        if all(v.exit_code == 0 for v in views):
-            await self._succeed(job, spec, status, now, current)
-            return
         ids: list[str] = list(notice.get("requestIds") or [])
         if not notice.get("requestedAt"):
             ids = []
@@ -635,20 +674,17 @@ class Reconciler:
                         _log.warning("checkpoint request to rank %d failed: %s", v.rank, e)
                 ids.append(rid)
             await self._patch(spec, {"notice": {"requestedAt": _iso(now), "requestIds": ids}})
+        live = await self._poll_ranks(views, memory)
         reports: dict[int, SidecarStatus | None] = {}
         gone: list[int] = []
         for v in views:
-            report: SidecarStatus | None = None
-            if v.ip and not v.node_lost:
-                try:
-                    report = await self._sidecars.status(v.ip, token)
-                except SidecarError as e:
-                    _log.info("rank %d status: %s", v.rank, e)
+            report = memory.reports.get(v.rank)
             expected = ids[v.rank] if v.rank < len(ids) else ""
             if report is not None and expected and report.request_id not in (expected, None):
                 report = None  # an older save's report, not the answer to our request
             reports[v.rank] = report
-            if v.node_lost or not v.exists or (report is None and v.exit_code is not None):
+            finished = v.exit_code is not None or v.phase in ("Succeeded", "Failed")
+            if v.node_lost or not v.exists or (live.get(v.rank) is None and finished):
                 gone.append(v.rank)
         verdict = lifecycle.checkpoint_verdict(
             reports, replicas=replicas, now=now, deadline=deadline, unreachable_is_final=gone
@@ -683,7 +719,7 @@ class Reconciler:
             )  # fmt: skip
             return
         # Fall back to the newest step every rank is known to have committed.
-        best = self._best_known_step(reports, last)
+        best = self._best_known_step(memory, last)
         message = (
             f"checkpoint before the notice did not complete ({verdict.reason}); resuming from "
             + ("the start (no checkpoint was committed yet)" if best is None else
@@ -702,56 +738,58 @@ class Reconciler:
         )  # fmt: skip
 
     @staticmethod
-    def _best_known_step(
-        reports: Mapping[int, SidecarStatus | None], last: LastCheckpoint | None
-    ) -> int | None:
-        rank0 = reports.get(0)
+    def _best_known_step(memory: JobMemory, last: LastCheckpoint | None) -> int | None:
         steps = [last.step] if last is not None else []
-        if rank0 is not None and rank0.last_committed_step is not None:
-            steps.append(rank0.last_committed_step)
+        steps.extend(s for r in memory.reports.values() if (s := r.committed_step) is not None)
         return max(steps) if steps else None
 
-    async def _progress(
-        self,
-        t: _Tick,
-    ) -> None:
-        """Learn periodic commits from rank 0's sidecar (rank 0 writes the manifest)."""
-        spec, status, current, now, memory = t.spec, t.status, t.current, t.now, t.memory
-        if memory.next_progress_poll is not None and now < memory.next_progress_poll:
-            return
-        memory.next_progress_poll = now + timedelta(seconds=self._config.progress_poll_seconds)
-        await self._learn_commit(spec, status, current, memory, now)
+    async def _poll_ranks(
+        self, views: Sequence[RankView], memory: JobMemory
+    ) -> dict[int, SidecarStatus]:
+        """Ask every reachable sidecar for its status; remember each answer in ``memory``."""
+        live: dict[int, SidecarStatus] = {}
+        if memory.token is None:
+            return live
+        for v in views:
+            if not v.ip or v.node_lost:
+                continue
+            try:
+                live[v.rank] = await self._sidecars.status(v.ip, memory.token)
+            except SidecarError as e:
+                _log.debug("rank %d status: %s", v.rank, e)
+                continue
+            memory.reports[v.rank] = live[v.rank]
+        return live
 
-    async def _learn_commit(
-        self,
-        spec: JobSpec,
-        status: Mapping[str, Any],
-        current: Mapping[int, Mapping[str, Any]],
-        memory: JobMemory,
-        now: datetime,
-    ) -> int | None:
-        rank0 = current.get(0)
-        ip = (rank0 or {}).get("status", {}).get("podIP") if rank0 else None
-        last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
-        if not ip or memory.token is None:
-            return None if last is None else last.step
-        try:
-            report = await self._sidecars.status(ip, memory.token)
-        except SidecarError:
-            return None if last is None else last.step
-        step = report.committed_step
-        if step is not None and (last is None or step > last.step):
-            checkpoint = LastCheckpoint(
-                step=step,
-                uri=report.uri or spec.checkpoint_uri,
-                trigger=report.trigger or "periodic",
-                completed_at=_iso(now),
-                seconds=report.seconds,
-            )
-            await self._patch(spec, {"lastCheckpoint": checkpoint.to_status()})
-            self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
-            return step
-        return None if last is None else last.step
+    async def _progress(self, t: _Tick) -> None:
+        """Learn periodic commits (and served notices) from the sidecars, every few seconds."""
+        if t.memory.next_progress_poll is not None and t.now < t.memory.next_progress_poll:
+            return
+        t.memory.next_progress_poll = t.now + timedelta(seconds=self._config.progress_poll_seconds)
+        await self._learn_commit(t)
+
+    async def _learn_commit(self, t: _Tick) -> int | None:
+        """Poll the sidecars and record a newer committed step in ``status.lastCheckpoint``.
+
+        Any rank's ``committed`` proves the manifest is written; returns the newest known step.
+        """
+        await self._poll_ranks(t.views, t.memory)
+        last = LastCheckpoint.from_status(t.status.get("lastCheckpoint"))
+        best = self._best_known_step(t.memory, last)
+        if best is None or (last is not None and best <= last.step):
+            return best
+        source = next((r for r in t.memory.reports.values() if r.committed_step == best), None)
+        checkpoint = LastCheckpoint(
+            step=best,
+            uri=(source.uri if source else None) or t.spec.checkpoint_uri,
+            trigger=(source.trigger if source else None) or "periodic",
+            completed_at=_iso(t.now),
+            seconds=source.seconds if source else None,
+        )
+        await self._patch(t.spec, {"lastCheckpoint": checkpoint.to_status()})
+        t.status["lastCheckpoint"] = checkpoint.to_status()
+        self._metrics.last_checkpoint.labels(t.spec.namespace, t.spec.name).set(t.now.timestamp())
+        return best
 
     async def _succeed(
         self,
@@ -783,14 +821,7 @@ class Reconciler:
         outcome: Outcome,
         detail: str,
     ) -> None:
-        job, spec, status, current, now, memory = (
-            t.job,
-            t.spec,
-            t.status,
-            t.current,
-            t.now,
-            t.memory,
-        )
+        job, spec, status, current, now = t.job, t.spec, t.status, t.current, t.now
         last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
         resume = None if last is None else last.step
         if outcome is Outcome.SUCCEEDED:
@@ -803,7 +834,7 @@ class Reconciler:
         elif outcome is Outcome.PREEMPTED:
             # The rank saved on its own (SIGTERM or a cloud notice its sidecar saw): ask the
             # survivors' rank 0 what it committed, then resume there.
-            learned = await self._learn_commit(spec, status, current, memory, now)
+            learned = await self._learn_commit(t)
             await self._restart(
                 job, spec, status, kind="preemption",
                 resume_step=learned if learned is not None else resume,

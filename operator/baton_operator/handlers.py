@@ -125,16 +125,20 @@ async def _job_daemon(
     try:
         while not stopped:
             try:
-                more = await reconciler.tick(namespace, name, memory)
+                delay = await reconciler.tick(namespace, name, memory)
             except BatonOperatorError as e:
                 # Retry at the next tick: the API server or a sidecar may be back by then.
                 logger.warning("reconcile failed, retrying: %s", e)
-                more = True
-            if not more:
+                delay = config.tick_seconds
+            except Exception:
+                # A bug must be loud, not fatal: log the traceback and keep the job driven.
+                logger.exception("unexpected error while reconciling; retrying")
+                delay = config.tick_seconds * 5
+            if delay is None:
                 return
             wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=config.tick_seconds)
+                await asyncio.wait_for(wake.wait(), timeout=delay)
     finally:
         wakers.pop((namespace, name), None)
 

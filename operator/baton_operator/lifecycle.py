@@ -121,34 +121,53 @@ class RankView:
     unschedulable: bool = False
     node_lost: bool = False
     deleting: bool = False
+    disrupted: bool = False
+    """The pod is being deleted or carries a DisruptionTarget condition."""
+    served_notice: bool = False
+    """The rank's sidecar last reported a save for a notice or a signal (committed or
+    skipped): the SDK stops training after serving one, so its exit 0 is not success."""
 
 
 def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
-    """The attempt's outcome and a sentence for the on-call engineer."""
-    by_rank = {r.rank: r for r in ranks}
-    for r in sorted(ranks, key=lambda r: r.rank):
+    """The attempt's outcome and a sentence for the on-call engineer.
+
+    A trainer stops after the SDK serves a notice (``Checkpointer.step`` returns True on every
+    rank), so an exit 0 is success only when no rank of the attempt was disrupted, none
+    reported a served notice, and none exited with the emergency code.
+    """
+    ordered = sorted(ranks, key=lambda r: r.rank)
+    stopped_by_notice = [
+        r.rank
+        for r in ordered
+        if r.exit_code == EMERGENCY_EXIT_CODE or r.disrupted or r.served_notice
+    ]
+    for r in ordered:
         if r.exit_code is not None and r.exit_code not in (0, EMERGENCY_EXIT_CODE):
             return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) exited with code {r.exit_code}"
-        if r.exists and r.phase == "Failed" and r.exit_code is None:
+        if r.exists and r.phase == "Failed" and r.exit_code is None and not r.disrupted:
             return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) failed before its trainer ran"
-        if not r.exists:
-            return Outcome.FAILED, f"rank {r.rank}'s pod {r.pod} disappeared"
-    for r in sorted(ranks, key=lambda r: r.rank):
+    for r in ordered:
         if r.node_lost and r.exit_code is None:
             return Outcome.NODE_LOST, f"rank {r.rank}'s node {r.node} was lost without notice"
-    emergency = [r.rank for r in ranks if r.exit_code == EMERGENCY_EXIT_CODE]
-    if emergency:
-        return Outcome.PREEMPTED, (
-            f"rank(s) {', '.join(map(str, emergency))} exited after an emergency save"
-        )
-    if len(by_rank) == replicas and all(r.exit_code == 0 for r in ranks):
+    for r in ordered:
+        if not r.exists and not stopped_by_notice:
+            return Outcome.FAILED, f"rank {r.rank}'s pod {r.pod} disappeared"
+    finished = all(r.exit_code is not None or not r.exists for r in ordered)
+    if stopped_by_notice and (finished or any(r.exit_code is not None for r in ordered)):
+        if finished:
+            ranks_txt = ", ".join(map(str, stopped_by_notice))
+            return Outcome.PREEMPTED, (
+                f"rank(s) {ranks_txt} stopped after an emergency save (eviction or notice)"
+            )
+        return Outcome.PENDING, "waiting for the ranks to stop after an emergency save"
+    if len(ordered) == replicas and all(r.exit_code == 0 for r in ordered):
         return Outcome.SUCCEEDED, f"all {replicas} ranks finished training"
-    stuck = [r.rank for r in ranks if r.unschedulable]
+    stuck = [r.rank for r in ordered if r.unschedulable]
     if stuck:
         return Outcome.UNSCHEDULABLE, (
             f"rank(s) {', '.join(map(str, stuck))} cannot be scheduled on any node"
         )
-    if len(by_rank) == replicas and all(r.running or r.exit_code == 0 for r in ranks):
+    if len(ordered) == replicas and all(r.running or r.exit_code == 0 for r in ordered):
         return Outcome.RUNNING, f"all {replicas} ranks are running"
     return Outcome.PENDING, "waiting for pods to start"
 
@@ -187,44 +206,48 @@ def checkpoint_verdict(
     deadline: datetime,
     unreachable_is_final: Iterable[int] = (),
 ) -> Verdict:
-    """Have all ranks committed one step, or is it time to fall back?
+    """Has the requested checkpoint committed, or is it time to fall back?
 
-    ``reports`` maps rank -> the sidecar's status (None: no answer). ``unreachable_is_final``
-    lists ranks whose pod or node is gone, so waiting for them is pointless.
+    ``reports`` maps rank -> the last answer of its sidecar to this request (None: none).
+    A ``committed`` report means the manifest is written (docs/contracts.md), and the manifest
+    is the commit of every rank's shards: one such report proves the whole checkpoint, even if
+    the other ranks' pods are already gone (the SDK stops training after a notice, and a
+    native sidecar stops with its trainer). ``unreachable_is_final`` lists ranks whose pod,
+    node or sidecar is gone for good, so waiting for them is pointless.
     """
     gone = set(unreachable_is_final)
     for rank in range(replicas):
         report = reports.get(rank)
-        if report is None and rank in gone:
-            return Verdict(
-                kind=VerdictKind.FALLBACK,
-                reason=f"rank {rank}'s pod or node is gone, it cannot save",
-            )
         if report is not None and report.state in ("failed", "skipped"):
             detail = f": {report.error}" if report.error else ""
             return Verdict(
                 kind=VerdictKind.FALLBACK,
                 reason=f"rank {rank} reported the save {report.state}{detail}",
             )
-    committed = [reports.get(r) for r in range(replicas)]
-    if all(r is not None and r.state == "committed" for r in committed):
-        steps = {r.step for r in committed if r is not None}
-        if len(steps) == 1 and None not in steps:
-            step = steps.pop()
-            assert step is not None
-            seconds = max((r.seconds or 0.0) for r in committed if r is not None)
-            uri = next((r.uri for r in committed if r is not None and r.uri), None)
-            return Verdict(kind=VerdictKind.COMMITTED, step=step, seconds=seconds, uri=uri)
+    committed = [r for r in reports.values() if r is not None and r.state == "committed"]
+    steps = {r.step for r in committed}
+    if len(steps) > 1 or None in steps:
         return Verdict(
             kind=VerdictKind.FALLBACK,
-            reason=f"ranks committed different steps {sorted(map(str, steps))}",
+            reason=f"ranks reported different committed steps {sorted(map(str, steps))}",
+        )
+    if committed:
+        step = steps.pop()
+        assert step is not None
+        seconds = max((r.seconds or 0.0) for r in committed)
+        uri = next((r.uri for r in committed if r.uri), None)
+        return Verdict(kind=VerdictKind.COMMITTED, step=step, seconds=seconds, uri=uri)
+    if gone >= set(range(replicas)):
+        return Verdict(
+            kind=VerdictKind.FALLBACK,
+            reason="every rank's pod or sidecar went away before reporting a commit",
         )
     if now > deadline:
-        waiting = [r for r in range(replicas) if (reports.get(r) or None) is None]
+        silent = [r for r in range(replicas) if reports.get(r) is None]
         return Verdict(
             kind=VerdictKind.FALLBACK,
-            reason="the deadline passed before every rank committed"
-            + (f" (no answer from rank(s) {waiting})" if waiting else ""),
+            reason="the deadline passed before the ranks reported a commit"
+            + (f" (no answer from rank(s) {silent})" if silent else ""),
         )
     return Verdict(kind=VerdictKind.WAIT)
 

@@ -86,6 +86,20 @@ def test_an_emergency_exit_is_neither_success_nor_failure() -> None:
     assert lifecycle.classify(all_emergency, 2)[0] is Outcome.PREEMPTED
 
 
+def test_exit_zero_after_an_eviction_or_a_served_notice_is_not_success() -> None:
+    # The SDK stops training after serving a notice, on every rank, and the trainer exits 0.
+    evicted = [view(0, exit_code=0, disrupted=True), view(1, exit_code=0)]
+    assert lifecycle.classify(evicted, 2)[0] is Outcome.PREEMPTED
+    served = [view(0, exit_code=0, served_notice=True), view(1, exit_code=0)]
+    assert lifecycle.classify(served, 2)[0] is Outcome.PREEMPTED
+    vanished = [view(0, exists=False, served_notice=True), view(1, exit_code=0)]
+    assert lifecycle.classify(vanished, 2)[0] is Outcome.PREEMPTED
+    stopping = [view(0, exit_code=0, disrupted=True), view(1, running=True)]
+    assert lifecycle.classify(stopping, 2)[0] is Outcome.PENDING
+    crashed = [view(0, exit_code=0, disrupted=True), view(1, exit_code=137)]
+    assert lifecycle.classify(crashed, 2)[0] is Outcome.FAILED
+
+
 def test_backoff_doubles_up_to_the_ceiling() -> None:
     got = [lifecycle.backoff_seconds(n, base=10, ceiling=35) for n in range(5)]
     assert got == [0.0, 10.0, 20.0, 35.0, 35.0]
@@ -204,17 +218,34 @@ def test_verdict_committed_at_one_step() -> None:
 
 
 def test_verdict_waits_then_falls_back_at_the_deadline() -> None:
-    reports = {0: st("committed", 40), 1: st("saving")}
+    reports = {0: st("saving"), 1: st("requested")}
     deadline = NOW + timedelta(seconds=5)
-    assert (
-        lifecycle.checkpoint_verdict(reports, replicas=2, now=NOW, deadline=deadline).kind
-        is VerdictKind.WAIT
-    )
+    wait = lifecycle.checkpoint_verdict(reports, replicas=2, now=NOW, deadline=deadline)
+    assert wait.kind is VerdictKind.WAIT
     late = lifecycle.checkpoint_verdict(
-        reports, replicas=2, now=deadline + timedelta(seconds=1), deadline=deadline
+        {0: st("saving"), 1: None},
+        replicas=2,
+        now=deadline + timedelta(seconds=1),
+        deadline=deadline,
     )
     assert late.kind is VerdictKind.FALLBACK
-    assert "deadline passed" in late.reason
+    assert late.reason == (
+        "the deadline passed before the ranks reported a commit (no answer from rank(s) [1])"
+    )
+
+
+def test_one_committed_report_proves_the_commit() -> None:
+    # The manifest (written last, by rank 0) commits every rank's shards; a rank whose pod
+    # already stopped after the save does not need to answer.
+    v = lifecycle.checkpoint_verdict(
+        {0: None, 1: st("committed", 12)},
+        replicas=2,
+        now=NOW,
+        deadline=NOW,
+        unreachable_is_final=[0],
+    )
+    assert v.kind is VerdictKind.COMMITTED
+    assert v.step == 12
 
 
 @pytest.mark.parametrize("state", ["failed", "skipped"])
@@ -225,16 +256,17 @@ def test_verdict_failed_or_skipped_falls_back_and_says_why(state: str) -> None:
     assert v.reason == f"rank 1 reported the save {state}: not enough time"
 
 
-def test_verdict_gone_rank_and_split_steps() -> None:
-    v = lifecycle.checkpoint_verdict(
-        {0: st("saving"), 1: None},
-        replicas=2,
-        now=NOW,
-        deadline=NOW + timedelta(seconds=60),
-        unreachable_is_final=[1],
+def test_verdict_gone_ranks_and_split_steps() -> None:
+    later = NOW + timedelta(seconds=60)
+    one_gone = lifecycle.checkpoint_verdict(
+        {0: st("saving"), 1: None}, replicas=2, now=NOW, deadline=later, unreachable_is_final=[1]
     )
-    assert v.kind is VerdictKind.FALLBACK
-    assert "rank 1" in v.reason
+    assert one_gone.kind is VerdictKind.WAIT, "rank 0 may still commit for everyone"
+    all_gone = lifecycle.checkpoint_verdict(
+        {0: None, 1: None}, replicas=2, now=NOW, deadline=later, unreachable_is_final=[0, 1]
+    )
+    assert all_gone.kind is VerdictKind.FALLBACK
+    assert "went away" in all_gone.reason
     split = lifecycle.checkpoint_verdict(
         {0: st("committed", 40), 1: st("committed", 41)}, replicas=2, now=NOW, deadline=NOW
     )
