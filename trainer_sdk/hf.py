@@ -1,0 +1,370 @@
+"""Export a checkpoint's model weights in the Hugging Face safetensors layout.
+
+A Baton checkpoint holds the whole training state in per-rank shards; serving and evaluation
+tools want the model's weights alone, consolidated, as ``model.safetensors`` or as
+``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` (the layout that
+``transformers``' ``from_pretrained`` and ``safetensors`` read). :func:`export_hf` reads any
+committed step, saved under any world size (sharded DTensor pieces included), through the
+checkpoint reader of :mod:`trainer_sdk.api` (every block checksummed), and writes that layout,
+holding at most one output shard in memory.
+
+Which tensors are "the model": the Checkpointer saves the model's ``state_dict`` under the
+top-level key ``model``, so every tensor whose key starts with ``model.`` (``prefix``); the
+prefix is stripped from the exported names. Shards are cut much like ``huggingface_hub`` does:
+tensors in checkpoint order, a new shard when the next tensor would pass ``max_shard_size``, and
+a tensor larger than that in a shard of its own (which also closes the shard before it, so the
+files follow checkpoint order). When everything fits in one shard, the output is a single
+``model.safetensors`` with no index, as ``save_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from safetensors.torch import save_file
+
+from trainer_sdk import api
+from trainer_sdk.errors import BatonError
+from trainer_sdk.layout import DTYPE_SIZES
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "ExportInfo",
+    "HfExportError",
+    "add_export_hf_parser",
+    "export_hf",
+    "parse_size",
+    "run_export_hf",
+]
+
+DEFAULT_PREFIX: Final = "model."
+"""The Checkpointer keeps the model's ``state_dict`` under the top-level key ``model``."""
+SINGLE_FILE: Final = "model.safetensors"
+INDEX_FILE: Final = "model.safetensors.index.json"
+_SHARD_RE: Final = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Transformers refuses safetensors files whose metadata lacks a known "format".
+_METADATA: Final = {"format": "pt"}
+_UNITS: Final = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+class HfExportError(BatonError):
+    """The checkpoint cannot be exported as asked (the message says how to fix the call)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportInfo:
+    """What :func:`export_hf` wrote."""
+
+    step: int
+    """The checkpoint step exported."""
+    out_dir: str
+    """The output directory."""
+    files: tuple[str, ...]
+    """The weight files written, in order (without the index)."""
+    tensors: int
+    """How many tensors were exported."""
+    total_size: int
+    """Bytes of tensor data (``metadata.total_size`` of the index)."""
+    seconds: float
+    """Wall time of the export."""
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or ``"5GB"`` (powers of 10) / ``"5GiB"`` (powers of 2)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise HfExportError(
+                f"max_shard_size {size!r} is not a size: write it like '5GB', '500MB', '2GiB' "
+                "or give a number of bytes"
+            )
+        value = math.floor(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise HfExportError(f"max_shard_size must be an int or a str like '5GB', got {size!r}")
+    if value <= 0:
+        raise HfExportError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    key: str  # key in the checkpoint
+    name: str  # exported name (prefix stripped)
+    nbytes: int
+
+
+def _plan(selected: list[_Planned], limit: int) -> list[list[_Planned]]:
+    """Group tensors into shards, in checkpoint order (see the module doc)."""
+    shards: list[list[_Planned]] = []
+    current: list[_Planned] = []
+    size = 0
+    for item in selected:
+        if item.nbytes > limit:
+            # Too big for any shard: alone, over the limit. huggingface_hub's splitter keeps the
+            # open shard open past it; closing it keeps the files in checkpoint order, which is
+            # what lets the export stream with one shard in memory.
+            if current:
+                shards.append(current)
+                current, size = [], 0
+            shards.append([item])
+            continue
+        if current and size + item.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _select(manifest: Any, prefix: str, step: int) -> list[_Planned]:
+    selected: list[_Planned] = []
+    for key, entry in manifest.tensors.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        if not name:
+            raise HfExportError(f"tensor {key!r} has an empty name once {prefix!r} is stripped")
+        if entry.kind == "rank_local":
+            raise HfExportError(
+                f"tensor {key!r} is rank-local (a different value on every rank), so it has no "
+                f"single consolidated value: choose a prefix that holds only model weights"
+            )
+        nbytes = math.prod(entry.shape) * DTYPE_SIZES[entry.dtype]
+        selected.append(_Planned(key=key, name=name, nbytes=nbytes))
+    if not selected:
+        tops = sorted({k.split(".", 1)[0] + "." for k in manifest.tensors})
+        raise HfExportError(
+            f"step {step} has no tensors under the prefix {prefix!r}; its tensors start with "
+            f"{tops[:10]}: pass prefix= to choose the model's (the Checkpointer uses 'model.')"
+        )
+    return selected
+
+
+def _existing_export_files(out: Path) -> list[Path]:
+    if not out.is_dir():
+        return []
+    return sorted(
+        p
+        for p in out.iterdir()
+        if p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)
+    )
+
+
+def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
+    """Write through a temp name, fsync, then rename: a crash never leaves a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export_hf(
+    uri: str,
+    out_dir: str | os.PathLike[str],
+    step: int | None = None,
+    max_shard_size: int | str = "5GB",
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportInfo:
+    """Write the model weights of checkpoint ``step`` (default: the newest complete one) under
+    ``uri`` to ``out_dir`` as Hugging Face safetensors.
+
+    Args:
+        uri: the checkpoint root (a path, ``file://`` or ``s3://``).
+        out_dir: a local directory; created if missing. It must not already hold an export
+            (``model*.safetensors`` or the index) unless ``overwrite``, which deletes those first.
+        step: the step to export; None for the newest complete step.
+        max_shard_size: bytes per weight file, an int or ``"5GB"``/``"2GiB"`` (GB = 10**9
+            bytes, as in ``huggingface_hub``).
+        prefix: the key prefix of the model's tensors in the checkpoint, stripped on export.
+        overwrite: replace an existing export in ``out_dir``.
+        progress: called with (bytes written, total bytes) after every tensor.
+
+    Memory: at most one output shard (or one tensor, when a tensor is larger than a shard).
+    """
+    started = time.perf_counter()
+    limit = parse_size(max_shard_size)
+    if step is None:
+        step = api.latest_step(uri)
+        if step is None:
+            raise HfExportError(f"no complete checkpoint under {uri!r}: nothing to export")
+    manifest = api.read_manifest(uri, step)
+    selected = _select(manifest, prefix, step)
+    shards = _plan(selected, limit)
+    total = sum(item.nbytes for item in selected)
+    if len(shards) == 1:
+        filenames = [SINGLE_FILE]
+    else:
+        filenames = [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+        ]
+
+    out = Path(out_dir)
+    existing = _existing_export_files(out)
+    if existing and not overwrite:
+        raise HfExportError(
+            f"{out} already holds an export ({', '.join(p.name for p in existing[:3])}...): "
+            "choose an empty directory, or pass overwrite=True (--overwrite) to replace it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for old in existing:
+        old.unlink()
+
+    # The reader yields tensors in manifest order, which is the order the plan was cut in, so
+    # shards fill one after another and only the one being filled is held.
+    shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
+    name_of = {item.key: item.name for item in selected}
+    pending: dict[str, torch.Tensor] = {}
+    current = 0
+    done = 0
+    for key, tensor in api.iter_tensors(uri, step=step):
+        index = shard_of.get(key)
+        if index is None:
+            continue
+        if index != current:
+            raise HfExportError(
+                f"the checkpoint reader yielded {key!r} out of manifest order; this is a Baton "
+                "bug, please report it"
+            )
+        pending[name_of[key]] = tensor
+        done += tensor.numel() * tensor.element_size()
+        if len(pending) == len(shards[current]):
+            _write_shard(out / filenames[current], pending)
+            pending = {}
+            current += 1
+        if progress is not None:
+            progress(done, total)
+    if current != len(shards):
+        raise HfExportError(
+            f"step {step}: the checkpoint reader did not yield every model tensor (wrote "
+            f"{current} of {len(shards)} files); the checkpoint may be damaged: run "
+            f"`python -m trainer_sdk verify {uri} --step {step}`"
+        )
+    if len(shards) > 1:
+        index_doc = {
+            "metadata": {"total_size": total},
+            "weight_map": {item.name: filenames[shard_of[item.key]] for item in selected},
+        }
+        _write_durably(
+            out / INDEX_FILE,
+            lambda p: p.write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n"),
+        )
+    return ExportInfo(
+        step=step,
+        out_dir=str(out),
+        files=tuple(filenames),
+        tensors=len(selected),
+        total_size=total,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    _write_durably(path, lambda p: save_file(tensors, str(p), metadata=dict(_METADATA)))
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def add_export_hf_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``export-hf`` to the ``python -m trainer_sdk`` sub-commands (``cli.py`` calls this).
+
+    Sets ``func=run_export_hf`` on the parsed namespace.
+    """
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "export-hf",
+        help="write a checkpoint's model weights as Hugging Face safetensors",
+        description=(
+            "Consolidate the model weights of a checkpoint (any world size) into "
+            "model.safetensors, or model-0000i-of-0000N.safetensors shards plus "
+            "model.safetensors.index.json."
+        ),
+    )
+    parser.add_argument("uri", help="checkpoint root: a path, file:// or s3://")
+    parser.add_argument("out", help="output directory (created if missing)")
+    parser.add_argument("--step", type=int, default=None, help="step (default: newest complete)")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="bytes per file: '5GB', '2GiB', or an int"
+    )
+    parser.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="key prefix of the model's tensors (stripped)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    parser.set_defaults(func=run_export_hf)
+    return parser
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    """Run ``export-hf`` from parsed arguments; prints progress to stderr. Returns the exit code."""
+    size: int | str = args.max_shard_size
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size)
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or done == total:
+            last[0] = now
+            pct = 100.0 * done / total if total else 100.0
+            print(
+                f"\rexport-hf: {done / 2**20:.1f} / {total / 2**20:.1f} MiB ({pct:.0f}%)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    try:
+        info = export_hf(
+            args.uri,
+            args.out,
+            step=args.step,
+            max_shard_size=size,
+            prefix=args.prefix,
+            overwrite=args.overwrite,
+            progress=report,
+        )
+    except BatonError as e:
+        print(f"\nexport-hf: error: {e}", file=sys.stderr)
+        return 1
+    print(file=sys.stderr)
+    print(
+        f"exported step {info.step}: {info.tensors} tensors, {info.total_size} bytes, "
+        f"{len(info.files)} file(s) in {info.out_dir} ({info.seconds:.1f}s)"
+    )
+    return 0
