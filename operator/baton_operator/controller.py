@@ -106,14 +106,6 @@ class ClusterView:
         info = self.nodes.get(node or "")
         return bool(info and info.ready)
 
-    def usable_nodes(self, avoid: set[str]) -> int:
-        """Ready nodes without a notice and not avoided: how many ranks could be placed."""
-        return sum(
-            1
-            for name, info in self.nodes.items()
-            if info.ready and not info.notices and name not in avoid
-        )
-
 
 @dataclass
 class JobMemory:
@@ -871,8 +863,10 @@ class Reconciler:
         replicas = int(status.get("replicas") or spec.replicas)
         if now - since < timedelta(seconds=spec.elastic_wait_seconds):
             return
-        usable = self._cluster.usable_nodes(set(status.get("avoidNodes") or []))
-        target = lifecycle.elastic_replicas(spec, current=replicas, usable_nodes=usable)
+        # The scheduler is the judge of capacity (node selectors, taints, resources, one rank
+        # per node): the ranks it could place are what the job can have now.
+        placed = sum(1 for p in current.values() if (p.get("spec") or {}).get("nodeName"))
+        target = lifecycle.elastic_replicas(spec, current=replicas, placeable=placed)
         if target is None:
             return
         last = LastCheckpoint.from_status(status.get("lastCheckpoint"))
@@ -880,7 +874,7 @@ class Reconciler:
             job, spec, status, kind="elastic",
             resume_step=None if last is None else last.step,
             detail=f"{detail} for {spec.elastic_wait_seconds:.0f}s; shrinking from {replicas} "
-            f"to {target} replicas ({usable} usable nodes)",
+            f"to {target} replicas ({placed} could be placed)",
             now=now, current=current, replicas=target,
             # Noticed nodes are gone or going; a shrunk job may use any node that is left.
             extra={"avoidNodes": []},

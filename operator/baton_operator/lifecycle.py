@@ -252,14 +252,14 @@ def checkpoint_verdict(
     return Verdict(kind=VerdictKind.WAIT)
 
 
-def elastic_replicas(spec: JobSpec, *, current: int, usable_nodes: int) -> int | None:
+def elastic_replicas(spec: JobSpec, *, current: int, placeable: int) -> int | None:
     """How many replicas to shrink to, or None when the job may not (or need not) shrink.
 
-    One rank per node (manifests.py spreads ranks), so ``usable_nodes`` bounds the replicas.
+    ``placeable`` is how many of the current attempt's ranks the scheduler could place.
     """
-    if spec.min_replicas is None or usable_nodes >= current:
+    if spec.min_replicas is None or placeable >= current:
         return None
-    target = max(spec.min_replicas, usable_nodes)
+    target = max(spec.min_replicas, placeable)
     return target if target < current else None
 
 

@@ -193,12 +193,12 @@ def test_elastic_restart_counts_nothing_and_keeps_replicas() -> None:
 
 
 def test_elastic_replicas() -> None:
-    assert lifecycle.elastic_replicas(spec(), current=4, usable_nodes=1) is None
+    assert lifecycle.elastic_replicas(spec(), current=4, placeable=1) is None
     s = spec(minReplicas=2)
-    assert lifecycle.elastic_replicas(s, current=4, usable_nodes=4) is None
-    assert lifecycle.elastic_replicas(s, current=4, usable_nodes=3) == 3
-    assert lifecycle.elastic_replicas(s, current=4, usable_nodes=1) == 2
-    assert lifecycle.elastic_replicas(s, current=2, usable_nodes=0) is None
+    assert lifecycle.elastic_replicas(s, current=4, placeable=4) is None
+    assert lifecycle.elastic_replicas(s, current=4, placeable=3) == 3
+    assert lifecycle.elastic_replicas(s, current=4, placeable=1) == 2
+    assert lifecycle.elastic_replicas(s, current=2, placeable=0) is None
 
 
 def st(state: str, step: int | None = None, **kw: Any) -> SidecarStatus:
