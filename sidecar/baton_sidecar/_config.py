@@ -105,6 +105,7 @@ class SidecarConfig:
             "azure_interval",
             "probe_timeout",
             "request_timeout",
+            "backoff_max",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -173,6 +174,7 @@ def parse_config(
         gce_wait_seconds=int(_float_env(env, "BATON_SIDECAR_GCE_WAIT", 60)),
         request_timeout=_float_env(env, "BATON_SIDECAR_METADATA_TIMEOUT", 5.0),
         status_interval=_float_env(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
+        backoff_max=_float_env(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
     )
 
 

@@ -77,7 +77,7 @@ async def _run_clouds(
         for pause in _DETECT_RETRIES:
             if clouds:
                 break
-            await asyncio.sleep(pause)
+            await asyncio.sleep(min(pause, config.backoff_max))
             clouds = await detect_clouds(config, session)
         if not clouds:
             log.info(

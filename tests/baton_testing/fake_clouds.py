@@ -102,6 +102,11 @@ class _FakeServer:
                 return
             ready.set()
             loop.run_forever()
+            # Cancel what still hangs (long polls, injected stalls) so that it ends cleanly.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(self._stop_site())
             loop.close()
 
@@ -115,7 +120,8 @@ class _FakeServer:
     async def _start_site(self) -> None:
         app = web.Application(middlewares=[self._record])
         self.routes(app)
-        self._runner = web.AppRunner(app, access_log=None)
+        # Long polls still hanging at stop are cut short, not waited for.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
