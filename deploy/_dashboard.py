@@ -22,6 +22,12 @@ UID: Final = "baton-overview"
 # multi-value with "All" = ".*", so every per-job query filters with =~.
 _SEL: Final = 'namespace=~"$namespace", job=~"$job"'
 _RATE: Final = "$__rate_interval"
+# The operator and the sidecars both export baton_checkpoint_deadline_margin_seconds and
+# baton_notices_total (docs/contracts.md), with different buckets and sources. Summing the two
+# would double-count and, for histograms, mix bucket boundaries. Every sidecar exports
+# baton_checkpoint_phase_seconds from its start, so "unless" on the scrape target's instance
+# keeps the operator's series whatever the scrape configuration calls its jobs.
+_OPERATOR_ONLY: Final = "unless on (instance) baton_checkpoint_phase_seconds_count"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,12 +54,15 @@ class _Panel:
     """Extra (value, color) steps above the base green, drawn as lines/areas on the panel."""
 
 
-def _quantiles(metric: str, by: str, qs: tuple[float, ...], legend: str) -> tuple[_Target, ...]:
+def _quantiles(
+    metric: str, by: str, qs: tuple[float, ...], legend: str, *, operator_only: bool = False
+) -> tuple[_Target, ...]:
+    only = f" {_OPERATOR_ONLY}" if operator_only else ""
     return tuple(
         _Target(
             expr=(
                 f"histogram_quantile({q}, sum by (le, {by}) "
-                f"(rate({metric}_bucket{{{_SEL}}}[{_RATE}])))"
+                f"(rate({metric}_bucket{{{_SEL}}}[{_RATE}]){only}))"
             ),
             legend=f"p{round(q * 100):02d} {legend}",
         )
@@ -76,9 +85,9 @@ _PANELS: Final[tuple[_Panel, ...]] = (
         title="Notice to commit against the deadline",
         description=(
             "From the moment the operator saw a preemption notice to the commit of the "
-            "checkpoint it asked for (p50, p95), against the notice window (average of "
-            "notice-to-commit plus deadline margin, i.e. deadline minus notice). The gap "
-            "between the p95 line and the window is the margin left."
+            "checkpoint it asked for (p50, p95), with the margin that was left before the "
+            "deadline (p05: the slimmest saves). The deadline itself is notice-to-commit plus "
+            "margin; a margin near zero means the next notice may be missed."
         ),
         targets=(
             *_quantiles(
@@ -87,18 +96,12 @@ _PANELS: Final[tuple[_Panel, ...]] = (
                 (0.5, 0.95),
                 "notice→commit {{namespace}}/{{job}}",
             ),
-            _Target(
-                expr=(
-                    "sum by (namespace, job) "
-                    f"(rate(baton_checkpoint_notice_to_commit_seconds_sum{{{_SEL}}}[{_RATE}]))"
-                    " / sum by (namespace, job) "
-                    f"(rate(baton_checkpoint_notice_to_commit_seconds_count{{{_SEL}}}[{_RATE}]))"
-                    " + sum by (namespace, job) "
-                    f"(rate(baton_checkpoint_deadline_margin_seconds_sum{{{_SEL}}}[{_RATE}]))"
-                    " / sum by (namespace, job) "
-                    f"(rate(baton_checkpoint_deadline_margin_seconds_count{{{_SEL}}}[{_RATE}]))"
-                ),
-                legend="notice window (avg) {{namespace}}/{{job}}",
+            *_quantiles(
+                "baton_checkpoint_deadline_margin_seconds",
+                "namespace, job",
+                (0.05,),
+                "margin left {{namespace}}/{{job}}",
+                operator_only=True,
             ),
         ),
         unit="s",
@@ -106,15 +109,17 @@ _PANELS: Final[tuple[_Panel, ...]] = (
     _Panel(
         title="Deadline margin (p05, p50)",
         description=(
-            "Deadline minus commit time of notice checkpoints. Below zero the save missed the "
-            "deadline and the job resumes from an older checkpoint; the alert "
-            "BatonCheckpointNearDeadline fires when p05 falls under 10 s."
+            "Deadline minus commit time of notice checkpoints, as the operator saw every rank "
+            "commit. Below zero the save missed the deadline and the job resumes from an "
+            "older checkpoint; the alert BatonCheckpointNearDeadline fires when p05 falls "
+            "under 10 s."
         ),
         targets=_quantiles(
             "baton_checkpoint_deadline_margin_seconds",
             "namespace, job",
             (0.05, 0.5),
             "{{namespace}}/{{job}}",
+            operator_only=True,
         ),
         unit="s",
         thresholds=((-1e9, "red"), (0, "orange"), (10, "green")),
@@ -202,7 +207,8 @@ _PANELS: Final[tuple[_Panel, ...]] = (
         title="Checkpoint requests and notices",
         description=(
             "Checkpoint requests served by the sidecars by result (committed, failed, "
-            "skipped: too little time left to finish), and preemption notices by source."
+            "skipped: too little time left to finish), and the preemption notices the "
+            "operator saw, by source (aws, karpenter, gke, ..., disruption-target)."
         ),
         targets=(
             _Target(
@@ -213,7 +219,7 @@ _PANELS: Final[tuple[_Panel, ...]] = (
                 legend="requests: {{result}}",
             ),
             _Target(
-                expr=f"sum by (source) (increase(baton_notices_total[{_RATE}]))",
+                expr=(f"sum by (source) (increase(baton_notices_total[{_RATE}]) {_OPERATOR_ONLY})"),
                 legend="notices: {{source}}",
             ),
         ),

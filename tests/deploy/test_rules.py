@@ -81,11 +81,27 @@ def test_alerts_fire_on_their_conditions_and_not_before(tmp_path: Path) -> None:
 
     # Deadline margin histogram with buckets like the sidecar's: notice saves every 5 min.
     # "slim": every save commits 2-5 s before its deadline; "roomy": 30-60 s before.
-    def margin(le: str, per_save: int) -> dict[str, str]:
+    def margin(le: str, per_save: int, instance: str = "operator:8080") -> dict[str, str]:
+        labels = f'{sel}, le="{le}", instance="{instance}"'
         return {
-            "series": f'baton_checkpoint_deadline_margin_seconds_bucket{{{sel}, le="{le}"}}',
+            "series": f"baton_checkpoint_deadline_margin_seconds_bucket{{{labels}}}",
             "values": f"0+{per_save}x60",
         }
+
+    # A sidecar exports its own per-pod margin histogram (other buckets) under the same name;
+    # the alert must judge the operator's alone.
+    pod = "10.0.0.7:9440"
+    sidecar_slim = [
+        margin("-1", 0, pod),
+        margin("1", 1, pod),
+        margin("5", 1, pod),
+        margin("+Inf", 1, pod),
+        {
+            "series": f'baton_checkpoint_phase_seconds_count{{{sel}, phase="write", '
+            f'instance="{pod}"}}',
+            "values": "0+1x60",
+        },
+    ]
 
     slim = [margin("1", 0), margin("5", 1), margin("10", 1), margin("60", 1), margin("+Inf", 1)]
     roomy = [margin("1", 0), margin("5", 0), margin("10", 0), margin("60", 1), margin("+Inf", 1)]
@@ -98,7 +114,7 @@ def test_alerts_fire_on_their_conditions_and_not_before(tmp_path: Path) -> None:
         },
         {
             "interval": "1m",
-            "input_series": roomy,
+            "input_series": roomy + sidecar_slim,
             "alert_rule_test": [_alert("BatonCheckpointNearDeadline", "40m")],
         },
         {
