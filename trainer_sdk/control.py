@@ -19,6 +19,16 @@ Rules that keep the two sides honest:
   fields may be absent. A file that is not valid JSON or carries a wrong type raises
   :class:`ControlFormatError`, which names the file.
 
+How the SDK reports a save in ``status.json`` (the sidecar's metrics rely on it):
+
+1. ``idle`` at start-up; ``last_committed_step`` is set after a restore and after every commit.
+2. For a save it reports: ``requested`` (for a request: ranks agreeing on the step), then
+   ``saving``, then exactly one of ``committed``, ``failed`` or ``skipped`` with ``seconds``,
+   ``phases``, ``bytes``, ``trigger`` and ``deadline`` describing *that* save.
+3. The final state stays until the next reported save starts; in between only ``heartbeat``
+   is refreshed. The sidecar counts each new final state once (by state, request id, step and
+   ``updated``), so a heartbeat never counts as a second save.
+
 This module must stay torch-free: the sidecar imports it and must stay small.
 
 Who calls what:
@@ -91,7 +101,7 @@ class State(enum.StrEnum):
     """What the SDK is doing about checkpoints, as written in ``status.json``."""
 
     IDLE = "idle"
-    """No save in progress. The state after start-up and after a periodic save."""
+    """No save reported yet since start-up."""
     REQUESTED = "requested"
     """The SDK has taken a request and the ranks are agreeing on the step to save at."""
     SAVING = "saving"

@@ -202,8 +202,7 @@ class Sidecar:
                 except Exception:
                     log.exception("a status listener failed on %s", status.state)
         elif committed_step is not None and committed_step != self._seen_committed_step:
-            # A commit ended between two looks (the next save already started): count it, even
-            # though its durations were overwritten.
+            # Periodic saves and restores move only last_committed_step: a new step to show,
+            # but no request that ended.
             self._seen_committed_step = committed_step
-            self.metrics.requests_total.labels(result=State.COMMITTED.value).inc()
             self.metrics.last_committed_step.set(committed_step)

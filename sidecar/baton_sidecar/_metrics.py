@@ -24,7 +24,7 @@ from trainer_sdk.control import State, Status
 __all__ = ["NOTICE_SOURCES", "PHASES", "TRIGGERS", "SidecarMetrics"]
 
 NOTICE_SOURCES: Final = ("operator", "aws", "gce", "azure")
-PHASES: Final = ("stage", "write", "upload", "commit")
+PHASES: Final = ("drain", "plan", "stage", "write", "upload", "commit")
 TRIGGERS: Final = ("periodic", "notice", "signal", "request", "final", "manual")
 RESULTS: Final = (State.COMMITTED.value, State.FAILED.value, State.SKIPPED.value)
 
@@ -51,7 +51,7 @@ class SidecarMetrics:
         )
         self.phase_seconds = Histogram(
             "baton_checkpoint_phase_seconds",
-            "Save time per phase (stage, write, upload, commit) as the SDK reported it.",
+            "Save time per phase (drain, plan, stage, write, upload, commit), as the SDK reported.",
             ["phase"],
             buckets=_SECONDS_BUCKETS,
             registry=r,
