@@ -1,0 +1,263 @@
+"""Install Baton the two documented ways onto the local cluster, run a job, and uninstall.
+
+* ``helm install`` of charts/baton into a namespace that enforces Pod Security ``restricted``:
+  the operator comes up as a pod run by the node agents, under the chart's RBAC (its kopf login
+  is the pod's ServiceAccount token); a TrainingJob in another restricted namespace runs to
+  Succeeded; ``helm uninstall`` leaves nothing but the CRDs.
+* ``kubectl apply -k deploy/``: the same operator, the same job, the same clean removal.
+
+The examples in deploy/examples/ are also validated by the real API server (CRD schema, CEL)
+with a server-side dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from baton_testing.cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "baton"
+RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
+CRDS = {"trainingjobs.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+
+
+def _json(cluster: LocalCluster, *args: str) -> Any:
+    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
+
+
+def _restricted_namespace(cluster: LocalCluster, name: str) -> None:
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, RESTRICTED, "--overwrite")
+
+
+def _delete_namespace(cluster: LocalCluster, name: str) -> None:
+    cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait", timeout=180)
+
+
+def _diagnostics(cluster: LocalCluster, namespaces: list[str]) -> str:
+    out = []
+    for ns in namespaces:
+        for what in ("pods", "events", "trainingjobs"):
+            result = cluster.kubectl("get", what, "-n", ns, "-o", "wide", check=False)
+            out.append(f"--- {what} in {ns}:\n{result.stdout}{result.stderr}")
+        logs = cluster.kubectl(
+            "logs", "-n", ns, "-l", "app.kubernetes.io/component=operator", "--tail=60",
+            check=False,
+        )  # fmt: skip
+        out.append(f"--- operator logs in {ns}:\n{logs.stdout}{logs.stderr}")
+    return "\n".join(out)
+
+
+def _wait_operator_ready(cluster: LocalCluster, namespace: str, deployment: str) -> None:
+    result = cluster.kubectl(
+        "rollout", "status", f"deployment/{deployment}", "-n", namespace, "--timeout=180s",
+        check=False, timeout=200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + _diagnostics(cluster, [namespace])
+    (pod,) = _json(cluster, "get", "pods", "-n", namespace)["items"]
+    assert pod["status"]["phase"] == "Running"
+    # Run by a node agent as a local process, and admitted under "restricted".
+    assert pod["spec"]["nodeName"]
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["ready"] is True
+    assert pod["spec"]["containers"][0]["command"] == ["baton-operator"]
+
+
+def _training_job(name: str, namespace: str, workdir: Path) -> dict[str, Any]:
+    """A two-pod TrainingJob running the project's deterministic trainer, restricted-ready."""
+    out = workdir / name
+    out.mkdir(parents=True)
+    return {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": 2,
+            "checkpoint": {"uri": str(out / "ckpt"), "everySteps": 5, "keepLast": 2},
+            "failurePolicy": {"maxFailures": 1, "backoffSeconds": 1},
+            "template": {
+                "spec": {
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "my-training-image:1.0",
+                            "command": [
+                                "python",
+                                "-m",
+                                "baton_testing.trainer",
+                                "--steps",
+                                "12",
+                                "--every-steps",
+                                "5",
+                                "--sleep",
+                                "0.05",
+                                "--loss-log",
+                                str(out / "loss.log"),
+                                "--result",
+                                str(out / "result.json"),
+                                "--timeout",
+                                "30",
+                            ],
+                            "env": [
+                                {"name": "PYTHONPATH", "value": f"{ROOT / 'tests'}:{ROOT}"},
+                                {"name": "PYTHONUNBUFFERED", "value": "1"},
+                            ],
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                        }
+                    ],
+                }
+            },
+        },
+    }
+
+
+def _run_job_to_success(cluster: LocalCluster, job: dict[str, Any], watch: list[str]) -> None:
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(job))
+    deadline = time.monotonic() + 300
+    phase = None
+    while time.monotonic() < deadline:
+        status = _json(cluster, "get", "trainingjob", name, "-n", namespace).get("status", {})
+        phase = status.get("phase")
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    assert phase == "Succeeded", (
+        f"TrainingJob {namespace}/{name} ended in {phase!r}:\n"
+        + _diagnostics(cluster, [*watch, namespace])
+    )
+    result = json.loads((Path(job["spec"]["checkpoint"]["uri"]).parent / "result.json").read_text())
+    assert result["step"] == 12
+    cluster.kubectl("delete", "trainingjob", name, "-n", namespace, "--wait", timeout=120)
+
+
+def _leftovers(cluster: LocalCluster, selector: str, namespace: str) -> list[str]:
+    kinds = (
+        "deployments,replicasets,pods,services,serviceaccounts,networkpolicies,configmaps,secrets"
+    )
+    left = [
+        f"{i['kind']}/{i['metadata']['name']}"
+        for i in _json(cluster, "get", kinds, "-n", namespace, "-l", selector)["items"]
+    ]
+    cluster_kinds = "clusterroles,clusterrolebindings,clusterkopfpeerings"
+    left += [
+        f"{i['kind']}/{i['metadata']['name']}"
+        for i in _json(cluster, "get", cluster_kinds, "-l", selector)["items"]
+    ]
+    return left
+
+
+def _wait_no_leftovers(cluster: LocalCluster, selector: str, namespace: str) -> None:
+    # Pods go last (the garbage collector removes them after their ReplicaSet), so poll.
+    deadline = time.monotonic() + 120
+    while (left := _leftovers(cluster, selector, namespace)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert left == []
+
+
+def test_helm_install_runs_a_job_and_uninstall_leaves_only_crds(
+    local_cluster: LocalCluster, helm: str, tmp_path: Path
+) -> None:
+    cluster = local_cluster
+    suffix = uuid.uuid4().hex[:6]
+    release, ns, ml = f"baton-{suffix}", f"baton-helm-{suffix}", f"ml-helm-{suffix}"
+    _restricted_namespace(cluster, ns)
+    _restricted_namespace(cluster, ml)
+
+    def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [helm, *args, "--kubeconfig", str(cluster.kubeconfig)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
+
+    try:
+        installed = run_helm(
+            "install", release, str(CHART), "--namespace", ns, "--wait", "--timeout", "5m",
+            "--set", f"networkPolicy.namespaces={{{ml}}}",
+            "--set", "grafanaDashboard.enabled=true",
+        )  # fmt: skip
+        assert installed.returncode == 0, installed.stderr + _diagnostics(cluster, [ns])
+        assert "Baton 0.1.0 is installed" in installed.stdout  # NOTES.txt
+        for crd in CRDS:
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        _wait_operator_ready(cluster, ns, release)
+        policy = _json(cluster, "get", "networkpolicy", "-n", ml)["items"]
+        assert [p["metadata"]["name"] for p in policy] == [f"{release}-sidecar"]
+
+        _run_job_to_success(cluster, _training_job("helm-job", ml, tmp_path), [ns])
+
+        removed = run_helm("uninstall", release, "--namespace", ns, "--wait")
+        assert removed.returncode == 0, removed.stderr
+        _wait_no_leftovers(cluster, f"app.kubernetes.io/instance={release}", ns)
+        assert _leftovers(cluster, f"app.kubernetes.io/instance={release}", ml) == []
+        assert _json(cluster, "get", "secrets", "-n", ns, "-l", f"name={release}")["items"] == []
+        names = {c["metadata"]["name"] for c in _json(cluster, "get", "crds")["items"]}
+        assert names >= CRDS, "helm uninstall must keep the CRDs (and so users' TrainingJobs)"
+
+        # A second install over the CRDs that are still there, told to leave them alone.
+        again = run_helm(
+            "install", release, str(CHART), "--namespace", ns, "--skip-crds", "--wait",
+            "--timeout", "5m",
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        _wait_operator_ready(cluster, ns, release)
+        assert run_helm("uninstall", release, "--namespace", ns, "--wait").returncode == 0
+        _wait_no_leftovers(cluster, f"app.kubernetes.io/instance={release}", ns)
+    finally:
+        run_helm("uninstall", release, "--namespace", ns, "--wait", "--ignore-not-found")
+        _delete_namespace(cluster, ml)
+        _delete_namespace(cluster, ns)
+
+
+def test_kubectl_apply_k_runs_a_job_and_deletes_cleanly(
+    local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster = local_cluster
+    ml = f"ml-kustomize-{uuid.uuid4().hex[:6]}"
+    # The examples are valid against the real API server's schema and CEL rules.
+    _restricted_namespace(cluster, ml)
+    try:
+        applied = cluster.kubectl("apply", "-k", str(ROOT / "deploy"), check=False, timeout=120)
+        assert applied.returncode == 0, applied.stderr
+        namespace = _json(cluster, "get", "namespace", "baton-system")
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+        _wait_operator_ready(cluster, "baton-system", "baton-operator")
+        for example in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
+            dry = cluster.kubectl(
+                "apply", "--dry-run=server", "-n", ml, "-f", str(example), check=False
+            )
+            assert dry.returncode == 0, f"{example.name}: {dry.stderr}"
+
+        _run_job_to_success(cluster, _training_job("kustomize-job", ml, tmp_path), ["baton-system"])
+    finally:
+        # Everything but the CRDs (deleting a CRD deletes every TrainingJob with it).
+        for part in ("operator.yaml", "rbac.yaml", "namespace.yaml"):
+            cluster.kubectl(
+                "delete", "-f", str(ROOT / "deploy" / part), "--ignore-not-found", "--wait",
+                check=False, timeout=180,
+            )  # fmt: skip
+        _delete_namespace(cluster, ml)
+    assert (
+        _json(cluster, "get", "namespaces", "--field-selector", "metadata.name=baton-system")[
+            "items"
+        ]
+        == []
+    )
+    names = {c["metadata"]["name"] for c in _json(cluster, "get", "crds")["items"]}
+    assert names >= CRDS
