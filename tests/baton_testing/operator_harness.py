@@ -1,0 +1,429 @@
+"""Helpers of the operator's cluster tests: the operator as a real process under its own RBAC.
+
+``operator_install`` (session) applies the CRDs and the generated RBAC to the local cluster and
+writes a kubeconfig for the operator's ServiceAccount token (never admin), so that a verb
+missing from ``rbac.py`` fails a test. ``baton`` (per test) starts ``baton-operator`` as a
+subprocess and offers the helpers the tests share: submit a TrainingJob running the
+deterministic trainer, wait for a phase, read pods and events, kill and restart the operator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from baton_operator import __main__ as operator_main
+from baton_testing.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "baton-test"
+OPERATOR_NS = "baton-system"
+SERVICE_ACCOUNT = "baton-operator"
+
+
+@dataclass(frozen=True)
+class OperatorInstall:
+    """What the session fixture set up."""
+
+    cluster: LocalCluster
+    kubeconfig: Path
+    """A kubeconfig holding the operator ServiceAccount's token (not admin)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def install_operator(local_cluster: LocalCluster, workdir: Path) -> OperatorInstall:
+    """Apply the CRDs and generated RBAC; return a kubeconfig for the operator's token."""
+    k = local_cluster.kubectl
+    k("create", "namespace", OPERATOR_NS, check=False)
+    k("apply", "-f", "-", input=operator_main.manifests_yaml(OPERATOR_NS, SERVICE_ACCOUNT))
+    k(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/trainingjobs.baton.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+    )
+    # The test namespace enforces the restricted Pod Security profile: every pod the operator
+    # builds must pass it.
+    k("create", "namespace", NAMESPACE, check=False)
+    k(
+        "label",
+        "--overwrite",
+        "namespace",
+        NAMESPACE,
+        "pod-security.kubernetes.io/enforce=restricted",
+    )
+    k(
+        "apply",
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {
+                "apiVersion": "kopf.dev/v1",
+                "kind": "ClusterKopfPeering",
+                "metadata": {"name": "baton"},
+            }
+        ),
+    )
+    token = k("create", "token", SERVICE_ACCOUNT, "-n", OPERATOR_NS, "--duration=6h").stdout.strip()
+    info = json.loads((local_cluster.directory / "cluster.json").read_text())
+    kubeconfig = workdir / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "local",
+                        "cluster": {
+                            "server": info["server"],
+                            "certificate-authority": info["caFile"],
+                        },
+                    }
+                ],
+                "users": [{"name": "baton-operator", "user": {"token": token}}],
+                "contexts": [
+                    {"name": "operator", "context": {"cluster": "local", "user": "baton-operator"}}
+                ],
+                "current-context": "operator",
+            }
+        )
+    )
+    kubeconfig.chmod(0o600)
+    return OperatorInstall(cluster=local_cluster, kubeconfig=kubeconfig)
+
+
+@dataclass
+class OperatorProcess:
+    """One ``baton-operator`` subprocess (restartable)."""
+
+    install: OperatorInstall
+    log: Path
+    args: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = field(default_factory=_free_port)
+
+    def start(self) -> None:
+        cmd = [
+            str(REPO / ".venv" / "bin" / "baton-operator"),
+            "run",
+            "--kubeconfig",
+            str(self.install.kubeconfig),
+            "--all-namespaces",
+            "--peering",
+            "baton",
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.args,
+        ]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: the operator dies mid-flow, as on a node loss or an OOM."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no operator log)"
+
+
+class PodWatcher:
+    """Samples the job's pods in the background: for "no duplicate pods" and "attempts never
+    overlap" checks."""
+
+    def __init__(self, baton: Baton, job: str) -> None:
+        self._baton = baton
+        self._job = job
+        self.samples: list[list[dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                self.samples.append(self._baton.pods(self._job))
+            self._stop.wait(0.3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def violations(self, replicas: int) -> list[str]:
+        found = []
+        for sample in self.samples:
+            live = [
+                p
+                for p in sample
+                if p["status"].get("phase") in ("Pending", "Running")
+                and not p["metadata"].get("deletionTimestamp")
+            ]
+            attempts = {p["metadata"]["labels"]["baton.dev/attempt"] for p in live}
+            if len(attempts) > 1:
+                found.append(f"pods of attempts {sorted(attempts)} live at once")
+            names = [p["metadata"]["name"] for p in sample]
+            if len(names) != len(set(names)):
+                found.append(f"duplicate pod names {names}")
+            if len(live) > replicas:
+                found.append(f"{len(live)} live pods for {replicas} replicas")
+        return found
+
+
+@dataclass
+class Baton:
+    """Helpers for one test: an operator process and the job-level verbs."""
+
+    install: OperatorInstall
+    workdir: Path
+    operator: OperatorProcess
+
+    @property
+    def cluster(self) -> LocalCluster:
+        return self.install.cluster
+
+    def kubectl_json(self, *args: str) -> Any:
+        return json.loads(self.cluster.kubectl(*args, "-o", "json").stdout)
+
+    def job_manifest(
+        self,
+        name: str,
+        *,
+        steps: int = 40,
+        replicas: int = 2,
+        every_steps: int = 5,
+        sleep: float = 0.25,
+        command: list[str] | None = None,
+        min_replicas: int | None = None,
+        failure_policy: dict[str, Any] | None = None,
+        node_selector: dict[str, str] | None = None,
+        extra_spec: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        out = self.workdir / name
+        out.mkdir(parents=True, exist_ok=True)
+        trainer_cmd = command or [
+            "python",
+            "-m",
+            "baton_testing.trainer",
+            "--steps",
+            str(steps),
+            "--every-steps",
+            str(every_steps),
+            "--sleep",
+            str(sleep),
+            "--loss-log",
+            str(out / "loss.log"),
+            "--result",
+            str(out / "result.json"),
+            "--timeout",
+            "30",
+        ]
+        pod_spec: dict[str, Any] = {
+            "terminationGracePeriodSeconds": 20,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "baton-example:dev",
+                    "command": trainer_cmd,
+                    "env": [
+                        {"name": "PYTHONPATH", "value": f"{REPO / 'tests'}:{REPO}"},
+                        {"name": "PYTHONUNBUFFERED", "value": "1"},
+                    ],
+                }
+            ],
+        }
+        if node_selector:
+            pod_spec["nodeSelector"] = node_selector
+        spec: dict[str, Any] = {
+            "replicas": replicas,
+            "template": {"spec": pod_spec},
+            "checkpoint": {"uri": str(out / "ckpt"), "everySteps": every_steps},
+            "failurePolicy": failure_policy or {"maxFailures": 0, "backoffSeconds": 1},
+            **(extra_spec or {}),
+        }
+        if min_replicas is not None:
+            spec["minReplicas"] = min_replicas
+            spec["elasticWaitSeconds"] = 5
+        return {
+            "apiVersion": "baton.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": spec,
+        }
+
+    def apply(self, manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest), check=False)
+
+    def submit(self, name: str, **kw: Any) -> dict[str, Any]:
+        manifest = self.job_manifest(name, **kw)
+        result = self.apply(manifest)
+        assert result.returncode == 0, result.stderr
+        return manifest
+
+    def job(self, name: str) -> dict[str, Any]:
+        return dict(self.kubectl_json("get", "trainingjob", name, "-n", NAMESPACE))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.job(name).get("status") or {})
+
+    def pods(self, job: str) -> list[dict[str, Any]]:
+        data = self.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", f"baton.dev/job={job}")
+        return list(data["items"])
+
+    def events(self, job: str) -> list[str]:
+        data = self.kubectl_json(
+            "get", "events", "-n", NAMESPACE, "--field-selector", f"involvedObject.name={job}"
+        )
+        return [f"{e.get('reason')}: {e.get('message')}" for e in data["items"]]
+
+    def diagnostics(self, job: str) -> str:
+        pods = self.cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False)
+        return (
+            f"\n--- status ---\n{json.dumps(self.status(job), indent=1)}"
+            f"\n--- pods ---\n{pods.stdout}"
+            f"\n--- events ---\n"
+            + "\n".join(self.events(job))
+            + f"\n--- operator log ---\n{self.operator.tail()}"
+        )
+
+    def wait_for(
+        self,
+        job: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        *,
+        timeout: float,
+        what: str,
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                status = self.status(job)
+                if predicate(status):
+                    return status
+            if self.operator.proc is not None and self.operator.proc.poll() is not None:
+                raise AssertionError(
+                    f"the operator exited while waiting for {what}" + self.diagnostics(job)
+                )
+            time.sleep(0.25)
+        raise AssertionError(
+            f"timed out after {timeout:.0f}s waiting for {what}" + self.diagnostics(job)
+        )
+
+    def wait_phase(self, job: str, phase: str, *, timeout: float = 240) -> dict[str, Any]:
+        def done(s: dict[str, Any]) -> bool:
+            if s.get("phase") == "Failed" and phase != "Failed":
+                raise AssertionError(f"job Failed: {s.get('message')}" + self.diagnostics(job))
+            return bool(s.get("phase") == phase)
+
+        return self.wait_for(job, done, timeout=timeout, what=f"phase {phase}")
+
+    def wait_steps(self, job: str, steps: int, *, timeout: float = 120) -> None:
+        log = self.workdir / job / "loss.log"
+
+        def trained(_: dict[str, Any]) -> bool:
+            return log.exists() and len(log.read_text().splitlines()) >= steps
+
+        self.wait_for(job, trained, timeout=timeout, what=f"{steps} trained steps")
+
+    def loss_steps(self, job: str) -> list[int]:
+        """Steps rank 0 logged, in order (each appears once when no work was recomputed)."""
+        lines = (self.workdir / job / "loss.log").read_text().splitlines()
+        return [int(line.split()[0]) for line in lines]
+
+    def node_of(self, job: str, rank: int) -> str:
+        status = self.status(job)
+        for p in self.pods(job):
+            labels = p["metadata"]["labels"]
+            if labels["baton.dev/rank"] == str(rank) and labels["baton.dev/attempt"] == str(
+                status.get("attempt", 0)
+            ):
+                return str(p["spec"]["nodeName"])
+        raise AssertionError(f"no pod for rank {rank}" + self.diagnostics(job))
+
+    def resume_env(self, job: str, attempt: int) -> set[str | None]:
+        values: set[str | None] = set()
+        for p in self.pods(job):
+            if p["metadata"]["labels"]["baton.dev/attempt"] != str(attempt):
+                continue
+            env = {
+                e["name"]: e.get("value")
+                for c in p["spec"]["containers"]
+                if c["name"] == "trainer"
+                for e in c.get("env", [])
+            }
+            values.add(env.get("BATON_RESUME_STEP"))
+        return values
+
+    def delete(self, job: str) -> None:
+        self.cluster.kubectl(
+            "delete", "trainingjob", job, "-n", NAMESPACE, "--wait=false", check=False
+        )
+
+
+def operator_process(install: OperatorInstall, workdir: Path) -> OperatorProcess:
+    """An operator process with test-sized settings (not started)."""
+    return OperatorProcess(
+        install=install,
+        log=workdir / "operator.log",
+        args=[
+            "--sidecar-command",
+            "baton-sidecar",
+            "--sidecar-cloud",
+            "none",
+            "--tick-seconds",
+            "0.5",
+            "--progress-poll-seconds",
+            "0.5",
+            "--node-lost-seconds",
+            "10",
+            "--delete-grace-seconds",
+            "10",
+            "--grace",
+            "aws_spot=25",
+            "--grace",
+            "karpenter=25",
+            "--grace",
+            "autoscaler=25",
+            "--grace",
+            "cordon=25",
+        ],
+    )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:5]}"

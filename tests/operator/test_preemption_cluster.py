@@ -1,0 +1,90 @@
+"""Checkpoint-then-reschedule on the real control plane, for every notice source.
+
+Each test runs a 2-replica TrainingJob of the deterministic trainer with ``maxFailures: 0``:
+a preemption counted as a failure would fail the job at once. It gives one node a notice and
+checks that the ranks committed one step, that the next attempt runs on other nodes with
+``BATON_RESUME_STEP`` equal to that step, that no step was lost or recomputed, and that the
+job Succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes.client
+import pytest
+from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, unique
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 40
+
+
+def _restarted(status: dict[str, Any]) -> bool:
+    return int(status.get("attempt", 0)) >= 1 and status.get("phase") in ("Pending", "Running")
+
+
+def _check_moved_and_exact(baton: Baton, job: str, noticed_node: str, watcher: PodWatcher) -> None:
+    at_restart = baton.wait_for(job, _restarted, timeout=120, what="the next attempt")
+    last = at_restart.get("lastCheckpoint") or {}
+    diag = baton.diagnostics(job)
+    assert last.get("trigger") == "notice", f"the restart did not follow a notice save{diag}"
+    assert at_restart.get("resumedFromStep") == last.get("step"), diag
+    assert at_restart["preemptions"] == 1, diag
+    assert at_restart["failures"] == 0, diag
+    assert baton.resume_env(job, 1) <= {str(last["step"])}, diag
+    final = baton.wait_phase(job, "Succeeded")
+    watcher.stop()
+    assert final["preemptions"] == 1
+    assert final["failures"] == 0
+    for pod in baton.pods(job):
+        if pod["metadata"]["labels"]["baton.dev/attempt"] == "1":
+            assert pod["spec"]["nodeName"] != noticed_node, "attempt 1 ran on the noticed node"
+    steps = baton.loss_steps(job)
+    assert steps == list(range(1, STEPS + 1)), (
+        f"steps lost or recomputed around the notice at {last.get('step')}: {steps}"
+    )
+    assert watcher.violations(replicas=2) == []
+    events = "\n".join(baton.events(job))
+    assert "EvictionNotice" in events
+    assert "CheckpointCommitted" in events
+
+
+@pytest.mark.parametrize(
+    ("provider", "rank"), [("aws", 0), ("karpenter", 1), ("gke", 1), ("autoscaler", 0)]
+)
+def test_node_notice_checkpoints_and_moves_the_job(baton: Baton, provider: str, rank: int) -> None:
+    baton.cluster.add_node()  # replaces the node this test takes away
+    job = unique(f"tj-{provider}")
+    baton.submit(job, steps=STEPS, every_steps=5, sleep=0.3)
+    watcher = PodWatcher(baton, job)
+    baton.wait_phase(job, "Running", timeout=120)
+    baton.wait_steps(job, 8)
+    node = baton.node_of(job, rank)
+    baton.cluster.preempt(node, provider=provider, grace_s=30)  # type: ignore[arg-type]
+    _check_moved_and_exact(baton, job, node, watcher)
+    baton.delete(job)
+
+
+def test_pod_disruption_target_checkpoints_and_moves_the_job(baton: Baton) -> None:
+    job = unique("tj-disrupt")
+    baton.submit(job, steps=STEPS, every_steps=5, sleep=0.3)
+    watcher = PodWatcher(baton, job)
+    baton.wait_phase(job, "Running", timeout=120)
+    baton.wait_steps(job, 8)
+    node = baton.node_of(job, 1)
+    pod = next(
+        p["metadata"]["name"]
+        for p in baton.pods(job)
+        if p["metadata"]["labels"]["baton.dev/rank"] == "1"
+    )
+    # An eviction through the Eviction API sets DisruptionTarget (EvictionByEvictionAPI) on
+    # the pod and nothing on the node.
+    core = kubernetes.client.CoreV1Api(baton.cluster.api)
+    core.create_namespaced_pod_eviction(
+        pod,
+        NAMESPACE,
+        kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod)),
+    )
+    _check_moved_and_exact(baton, job, node, watcher)
+    baton.delete(job)
