@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import __version__ as _baton_version
+from trainer_sdk import _catalog
 from trainer_sdk._collectives import (
     all_gather_json,
     broadcast_json,
@@ -66,7 +67,6 @@ from trainer_sdk.layout import (
     DTYPE_SIZES,
     LATEST,
     MANIFEST,
-    MAX_JSON_BYTES,
     FileEntry,
     Kind,
     Manifest,
@@ -76,7 +76,6 @@ from trainer_sdk.layout import (
     file_path,
     json_name,
     parse_latest,
-    parse_step_dir,
     shard_name,
     step_dir,
 )
@@ -558,7 +557,7 @@ def commit(
 
 
 def _manifest_key(step: int) -> str:
-    return f"{step_dir(step)}/{MANIFEST}"
+    return _catalog.manifest_key(step)
 
 
 def _update_latest(storage: Storage, step: int) -> None:
@@ -648,36 +647,17 @@ def save(
 
 def read_manifest(storage: Storage | str, step: int) -> Manifest:
     """The validated manifest of ``step``; IncompleteCheckpointError if it never committed."""
-    st = open_storage(storage) if isinstance(storage, str) else storage
-    key = _manifest_key(step)
-    try:
-        size = st.size(key)
-        if size > MAX_JSON_BYTES:
-            raise ManifestError(f"manifest is {size} bytes, over the limit", path=key)
-        data = st.read_bytes(key)
-    except FileNotFoundError as e:
-        raise IncompleteCheckpointError(
-            f"step {step} under {st.uri} has no manifest: it never committed (load an older "
-            "step, or cleanup_incomplete() it)"
-        ) from e
-    return Manifest.parse(data, step=step, path=key)
+    return _catalog.read_manifest(
+        open_storage(storage) if isinstance(storage, str) else storage, step
+    )
 
 
 def _step_dirs(storage: Storage) -> list[int]:
-    steps = []
-    for name in storage.list_dir(""):
-        s = parse_step_dir(name)
-        if s is not None:
-            steps.append(s)
-    return sorted(steps)
+    return _catalog.step_dirs(storage)
 
 
 def _is_complete(storage: Storage, step: int) -> bool:
-    try:
-        read_manifest(storage, step)
-    except (CheckpointError, OSError):
-        return False
-    return True
+    return _catalog.is_complete(storage, step)
 
 
 def list_steps(uri: str) -> list[int]:
@@ -692,11 +672,7 @@ def latest_step(uri: str) -> int | None:
     ``latest`` is only a hint: the step directories are listed and their manifests validated,
     newest first, so a ``latest`` that is stale or points at a broken step is never trusted.
     """
-    storage = open_storage(uri)
-    for s in reversed(_step_dirs(storage)):
-        if _is_complete(storage, s):
-            return s
-    return None
+    return _catalog.newest_complete(open_storage(uri))
 
 
 def delete_step(uri: str, step: int) -> None:

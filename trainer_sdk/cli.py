@@ -1,0 +1,228 @@
+"""``python -m trainer_sdk`` (also ``baton-ckpt``): look at and check checkpoints.
+
+    python -m trainer_sdk ls URI                  steps, complete or not, and the latest hint
+    python -m trainer_sdk inspect URI [--step N]  one manifest in human form
+    python -m trainer_sdk verify URI [--step N]   every file's size and sha256 (progress on
+                                                  stderr); exit status 1 on any corruption
+    python -m trainer_sdk export-hf URI OUT [--step N] [--max-shard-size 5GB]
+
+``ls``, ``inspect`` and ``verify`` do not import torch, so they start fast on any machine that
+can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from trainer_sdk import _catalog
+from trainer_sdk.errors import BatonError, CheckpointError
+from trainer_sdk.layout import (
+    Manifest,
+    check_header_matches,
+    file_path,
+    header_length,
+    parse_safetensors_header,
+    step_dir,
+)
+from trainer_sdk.storage import Storage, open_storage
+
+__all__ = ["main"]
+
+_CHUNK = 8 * 1024 * 1024
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _pick_step(storage: Storage, step: int | None) -> int:
+    if step is not None:
+        return step
+    newest = _catalog.newest_complete(storage)
+    if newest is None:
+        raise LookupError(f"no complete checkpoint under {storage.uri}")
+    return newest
+
+
+def cmd_ls(storage: Storage, out: TextIO) -> int:
+    steps = _catalog.step_dirs(storage)
+    if not steps:
+        print(f"no step directories under {storage.uri}", file=out)
+        return 2
+    print(f"{'STEP':>12}  {'STATUS':<10} {'WORLD':>5}  {'TRIGGER':<9} {'SIZE':>10}  TIME", file=out)
+    newest = None
+    for s in steps:
+        try:
+            m = _catalog.read_manifest(storage, s)
+        except CheckpointError as e:
+            status = "invalid" if "never committed" not in str(e) else "incomplete"
+            print(f"{s:>12}  {status:<10} {'-':>5}  {'-':<9} {'-':>10}  -", file=out)
+            continue
+        newest = s
+        print(
+            f"{s:>12}  {'complete':<10} {m.world_size:>5}  {m.trigger:<9} "
+            f"{_human(m.total_bytes):>10}  {m.time}",
+            file=out,
+        )
+    hint = _catalog.latest_hint(storage)
+    agrees = "agrees" if hint == newest else f"stale: the newest complete step is {newest}"
+    print(f"latest: {hint if hint is not None else '(none)'} ({agrees})", file=out)
+    return 0
+
+
+def cmd_inspect(storage: Storage, step: int | None, out: TextIO) -> int:
+    s = _pick_step(storage, step)
+    m = _catalog.read_manifest(storage, s)
+    print(f"checkpoint  {storage.uri}/{step_dir(s)}", file=out)
+    print(f"step        {m.step}", file=out)
+    print(f"world size  {m.world_size}", file=out)
+    print(f"trigger     {m.trigger}", file=out)
+    print(f"time        {m.time}", file=out)
+    print(f"format      v{m.version} (torch {m.torch_version}, baton {m.baton_version})", file=out)
+    print(f"size        {_human(m.total_bytes)} in {len(m.files)} files", file=out)
+    print("\nfiles:", file=out)
+    for name, f in m.files.items():
+        print(f"  {name:<36} {_human(f.size):>10}  sha256 {f.sha256[:16]}…", file=out)
+    print(f"\ntensors ({len(m.tensors)}):", file=out)
+    kw = max((len(k) for k in m.tensors), default=10)
+    for key, t in m.tensors.items():
+        nbytes = sum(p.nbytes for p in t.pieces)
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        print(
+            f"  {key:<{kw}}  {t.kind:<10} {t.dtype:<5} {shape:<16} "
+            f"{len(t.pieces):>3} piece(s) {_human(nbytes):>10}",
+            file=out,
+        )
+    return 0
+
+
+def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
+    problems: list[str] = []
+    total = sum(f.size for f in m.files.values())
+    done = 0
+    t0 = time.monotonic()
+    buf = bytearray(_CHUNK)
+    for i, (name, f) in enumerate(m.files.items(), 1):
+        path = file_path(m.step, name)
+        try:
+            size = storage.size(path)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        except BatonError as e:
+            problems.append(str(e))
+            continue
+        if size != f.size:
+            problems.append(f"{path}: {size} bytes, the manifest says {f.size} (truncated?)")
+            continue
+        h = hashlib.sha256()
+        head = b""
+        for off in range(0, size, _CHUNK):
+            n = min(_CHUNK, size - off)
+            view = memoryview(buf)[:n]
+            storage.read_into(path, off, view)
+            h.update(view)
+            if off == 0:
+                head = bytes(view)
+            done += n
+            rate = done / max(time.monotonic() - t0, 1e-6)
+            print(
+                f"\rverifying {i}/{len(m.files)} files, {_human(done)} of {_human(total)} "
+                f"({_human(rate)}/s)",
+                end="",
+                file=err,
+                flush=True,
+            )
+        if h.hexdigest() != f.sha256:
+            problems.append(f"{path}: sha256 {h.hexdigest()} differs from the manifest's")
+            continue
+        if f.data_start is not None:
+            try:
+                n = header_length(head[:8], size, path=path)
+                if 8 + n > len(head):
+                    head = storage.read_bytes(path)[: 8 + n]
+                header = parse_safetensors_header(head, size, path=path)
+                pieces = [p for t in m.tensors.values() for p in t.pieces if p.file == name]
+                check_header_matches(header, pieces, f, path=path)
+            except BatonError as e:
+                problems.append(str(e))
+    print("", file=err)
+    return problems
+
+
+def cmd_verify(storage: Storage, step: int | None, out: TextIO, err: TextIO) -> int:
+    s = _pick_step(storage, step)
+    try:
+        m = _catalog.read_manifest(storage, s)
+    except CheckpointError as e:
+        print(f"FAILED step {s}: {e}", file=out)
+        return 1
+    problems = _verify_step(storage, m, err)
+    if problems:
+        print(f"FAILED step {s}: {len(problems)} problem(s)", file=out)
+        for p in problems:
+            print(f"  {p}", file=out)
+        return 1
+    print(
+        f"OK step {s}: {len(m.files)} files, {_human(m.total_bytes)}, every sha256 matches",
+        file=out,
+    )
+    return 0
+
+
+def cmd_export_hf(
+    uri: str, out_dir: str, step: int | None, max_shard_size: str, out: TextIO
+) -> int:
+    from trainer_sdk import hf
+
+    result = hf.export_hf(uri, out_dir, step=step, max_shard_size=max_shard_size)
+    print(f"exported to {out_dir}: {result}", file=out)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer_sdk", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list steps and whether they are complete")
+    ls.add_argument("uri")
+    for name, text in (("inspect", "show a manifest"), ("verify", "check every sha256")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("uri")
+        sp.add_argument("--step", type=int, default=None, help="default: newest complete step")
+    ex = sub.add_parser("export-hf", help="write consolidated Hugging Face safetensors shards")
+    ex.add_argument("uri")
+    ex.add_argument("out_dir")
+    ex.add_argument("--step", type=int, default=None)
+    ex.add_argument("--max-shard-size", default="5GB")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    try:
+        if args.cmd == "export-hf":
+            return cmd_export_hf(
+                args.uri, args.out_dir, step=args.step, max_shard_size=args.max_shard_size, out=out
+            )
+        storage = open_storage(args.uri)
+        if args.cmd == "ls":
+            return cmd_ls(storage, out)
+        if args.cmd == "inspect":
+            return cmd_inspect(storage, args.step, out)
+        return cmd_verify(storage, args.step, out, err)
+    except LookupError as e:
+        print(f"error: {e}", file=err)
+        return 2
+    except BatonError as e:
+        print(f"error: {e}", file=err)
+        return 1
