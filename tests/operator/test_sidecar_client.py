@@ -1,0 +1,82 @@
+"""The operator's sidecar client against the real ``baton-sidecar`` process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from baton_operator.errors import SidecarError
+from baton_operator.sidecars import SidecarClient
+from baton_testing.fake_clouds import free_port
+from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
+
+from trainer_sdk.control import ControlChannel, State, Status
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    proc = SidecarProcess(tmp_path).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        assert TOKEN not in proc.log()
+
+
+def test_request_then_status_follows_the_sdk_report(sidecar: SidecarProcess) -> None:
+    async def scenario() -> None:
+        async with SidecarClient(port=sidecar.port, timeout_seconds=5) as client:
+            deadline = datetime.now(tz=UTC) + timedelta(seconds=60)
+            rid = await client.request_checkpoint(
+                "127.0.0.1", TOKEN, deadline=deadline, reason="aws: spot interruption"
+            )
+            assert rid
+            again = await client.request_checkpoint(
+                "127.0.0.1", TOKEN, deadline=deadline, reason="second notice"
+            )
+            assert again == rid, "a second request merges into the pending one"
+            channel = ControlChannel(sidecar.control_dir)
+            request = channel.read_request()
+            assert request is not None
+            assert request.id == rid
+            # What the SDK writes after committing the requested save.
+            channel.write_status(
+                Status(state=State.COMMITTED, request_id=rid, step=17, seconds=0.4,
+                       uri="/ckpt/step-000000000017", trigger="notice",
+                       last_committed_step=17)
+            )  # fmt: skip
+
+            async def committed() -> bool:
+                s = await client.status("127.0.0.1", TOKEN)
+                return s.state == "committed"
+
+            for _ in range(100):
+                if await committed():
+                    break
+                await asyncio.sleep(0.1)
+            status = await client.status("127.0.0.1", TOKEN)
+            assert status.state == "committed"
+            assert status.step == 17
+            assert status.request_id == rid
+            assert status.committed_step == 17
+            assert status.trigger == "notice"
+
+    asyncio.run(scenario())
+
+
+def test_wrong_token_and_dead_sidecar_raise_without_the_token(sidecar: SidecarProcess) -> None:
+    async def scenario() -> None:
+        async with SidecarClient(port=sidecar.port, timeout_seconds=2) as client:
+            with pytest.raises(SidecarError, match="HTTP 401") as bad:
+                await client.status("127.0.0.1", "not-the-token")
+            assert "not-the-token" not in str(bad.value)
+        async with SidecarClient(port=free_port(), timeout_seconds=2) as client:
+            with pytest.raises(SidecarError, match="is the pod running") as dead:
+                await client.status("127.0.0.1", TOKEN)
+            assert TOKEN not in str(dead.value)
+
+    asyncio.run(scenario())
+    wait_for(sidecar.alive, what="the sidecar still serving")
