@@ -220,3 +220,15 @@ def test_export_from_a_two_rank_fsdp2_checkpoint(tmp_path: Path) -> None:
     got, shards = _read_export(tmp_path / "out")
     assert len(shards) > 1
     _assert_equal_state(got, load_file(reference))
+
+
+def test_python_m_trainer_sdk_export_hf(tmp_path: Path) -> None:
+    from trainer_sdk import cli
+
+    model = _trained_model()
+    trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=2)
+    out = tmp_path / "out"
+    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "250"]) == 0
+    got, shards = _read_export(out)
+    assert len(shards) > 1
+    _assert_equal_state(got, model.state_dict())
