@@ -52,7 +52,7 @@ FAKE_KEY_ID = "testing-key-id"
 FAKE_SECRET = "testing-secret"  # moto accepts any credentials
 REGION = "us-east-1"
 
-Action = Literal["error", "stall", "drop_response", "reset", "truncate_body"]
+Action = Literal["error", "stall", "drop_response", "reset", "truncate_body", "stall_body"]
 
 _ERROR_MESSAGES = {
     "SlowDown": "Please reduce your request rate.",
@@ -165,7 +165,8 @@ class Fault:
     action: Action = "error"
     """error: an S3 XML error response; stall: read the request, say nothing for ``seconds``,
     then close; drop_response: forward, then close without answering (the server did the work);
-    reset: close without forwarding; truncate_body: forward, send headers and half the body."""
+    reset: close without forwarding; truncate_body: forward, send headers and half the body,
+    then close; stall_body: the same, but say nothing for ``seconds`` before closing."""
     status: int = 500
     code: str = "InternalError"
     key: str | None = None
@@ -235,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
         op, bucket, key = classify(self.command, url.path, query)
         fault = proxy.pick_fault(op, key, query)
         status: int | None = None
-        if fault is not None and fault.action in ("stall", "reset", "drop_response"):
+        if fault is not None and fault.action in ("stall", "reset", "drop_response", "stall_body"):
             # Logged on arrival: the client may give up and retry before this handler ends.
             proxy.record(self._seen(op, bucket, key, query, body, None, fault))
         try:
@@ -253,7 +254,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif fault.action == "reset":
                 self.close_connection = True
             else:
-                status = self._forward(url, body, truncate=True)
+                stall = fault.seconds if fault.action == "stall_body" else 0.0
+                status = self._forward(url, body, truncate=True, stall=stall)
                 self.close_connection = True
         finally:
             if fault is None or fault.action in ("error", "truncate_body"):
@@ -312,7 +314,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(xml)
 
     def _forward(
-        self, url: urllib.parse.SplitResult, body: bytes, *, truncate: bool, send: bool = True
+        self,
+        url: urllib.parse.SplitResult,
+        body: bytes,
+        *,
+        truncate: bool,
+        send: bool = True,
+        stall: float = 0.0,
     ) -> int:
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.proxy.upstream_port)
         try:
@@ -334,6 +342,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data[: len(data) // 2] if truncate else data)
+                if stall:
+                    self.wfile.flush()
+                    self.server.proxy.stop_event.wait(stall)
             return resp.status
         finally:
             upstream.close()

@@ -205,6 +205,34 @@ def test_truncated_ranged_get_is_retried(s3_faults: S3Bucket) -> None:
     assert sum(s.fault == "truncate_body" for s in gets) == 2
 
 
+def test_get_stalling_mid_body_is_retried(s3_faults: S3Bucket) -> None:
+    """Headers and half the body arrive, then nothing: the read timeout fires inside the body
+    read, after botocore returned, and the SDK's round fetches the range again."""
+    proxy = _proxy(s3_faults)
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(300_000)
+    st.write_atomic("blob", data)
+    proxy.add(Fault(op="GetObject", action="stall_body", seconds=3, times=1))
+    out = bytearray(len(data) - 10)
+    st.read_into("blob", 10, memoryview(out))
+    assert out == data[10:]
+    assert [s.fault for s in proxy.seen("GetObject")] == ["stall_body", None]
+
+
+def test_connection_reset_on_part_is_retried(s3_faults: S3Bucket) -> None:
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({1}), action="reset", times=2))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(PART + 3)
+    _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    assert [s.fault for s in proxy.seen("UploadPart") if s.part_number == 1] == [
+        "reset",
+        "reset",
+        None,
+    ]
+
+
 def test_stalled_get_times_out_and_is_retried(s3_faults: S3Bucket) -> None:
     proxy = _proxy(s3_faults)
     st = S3Storage.from_uri(s3_faults.uri(), config=FAST)

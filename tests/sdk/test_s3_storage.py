@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from baton_testing.s3 import S3Bucket
@@ -323,3 +324,22 @@ def test_abort_after_commit_keeps_the_object(s3_bucket: S3Bucket) -> None:
     assert s3_bucket.get("ckpt/kept") == data
     with pytest.raises(StorageError, match="after the writer was committed"):
         w.commit()
+
+
+def test_parallel_writers_share_one_storage(s3_bucket: S3Bucket) -> None:
+    """Several shards written at once from threads through one S3Storage (one client)."""
+    st = S3Storage.from_uri(s3_bucket.uri(), config=SMALL)
+    blobs = {f"step-1/rank-{i}.safetensors": _payload(7 * MiB + i) for i in range(3)}
+
+    def put(path: str) -> None:
+        w = st.open_writer(path, size_hint=len(blobs[path]))
+        view = memoryview(blobs[path])
+        for pos in range(0, len(view), 2 * MiB):
+            w.write(view[pos : pos + 2 * MiB])
+        w.commit()
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(put, blobs))
+    for path, data in blobs.items():
+        assert s3_bucket.get(f"ckpt/{path}") == data
+    assert st.list_dir("step-1") == sorted(p.split("/")[1] for p in blobs)
