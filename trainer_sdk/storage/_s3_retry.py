@@ -164,7 +164,7 @@ def retrying(
                 0.0, min(policy.backoff_max, policy.backoff_base * 2 ** (attempt - 1))
             )
             log.warning(
-                "%s failed (%s) after botocore's own retries; round %d of %d in %.2fs",
+                "%s failed (%s); the SDK retries it (round %d of %d) in %.2fs",
                 what,
                 describe(e),
                 attempt + 1,
