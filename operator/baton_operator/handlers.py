@@ -38,6 +38,11 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.watching.server_timeout = config.watch_server_timeout_seconds
     settings.watching.client_timeout = config.watch_client_timeout_seconds
     settings.watching.connect_timeout = config.watch_connect_timeout_seconds
+    # Only Baton's pods are watched, filtered by the API server rather than in the operator.
+    pods: tuple[str, str] = (watches.PODS.version, watches.PODS.plural)  # core: "v1", plural
+    settings.watching.label_selectors[pods] = ",".join(
+        f"{k}={v}" for k, v in watches.MANAGED_BY.items()
+    )
     # kopf's bookkeeping goes to annotations, so status holds only what the CRD declares.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=_ANNOTATION_PREFIX
