@@ -246,45 +246,26 @@ def export_hf(
     for old in existing:
         old.unlink()
 
-    # The reader yields tensors in manifest order, which is the order the plan was cut in, so
-    # shards fill one after another and only the one being filled is held.
-    shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
-    name_of = {item.key: item.name for item in selected}
-    pending: dict[str, torch.Tensor] = {}
-    current = 0
-    done = 0
-    for key, tensor in api.iter_tensors(uri, step=step):
-        index = shard_of.get(key)
-        if index is None:
-            continue
-        if index != current:
-            raise HfExportError(
-                f"the checkpoint reader yielded {key!r} out of manifest order; this is a Baton "
-                "bug, please report it"
+    try:
+        _stream_shards(
+            uri, step, out=out, shards=shards, filenames=filenames, total=total, progress=progress
+        )
+        if len(shards) > 1:
+            shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
+            index_doc = {
+                "metadata": {"total_size": total},
+                "weight_map": {item.name: filenames[shard_of[item.key]] for item in selected},
+            }
+            _write_durably(
+                out / INDEX_FILE,
+                lambda p: p.write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n"),
             )
-        pending[name_of[key]] = tensor
-        done += tensor.numel() * tensor.element_size()
-        if len(pending) == len(shards[current]):
-            _write_shard(out / filenames[current], pending)
-            pending = {}
-            current += 1
-        if progress is not None:
-            progress(done, total)
-    if current != len(shards):
-        raise HfExportError(
-            f"step {step}: the checkpoint reader did not yield every model tensor (wrote "
-            f"{current} of {len(shards)} files); the checkpoint may be damaged: run "
-            f"`python -m trainer_sdk verify {uri} --step {step}`"
-        )
-    if len(shards) > 1:
-        index_doc = {
-            "metadata": {"total_size": total},
-            "weight_map": {item.name: filenames[shard_of[item.key]] for item in selected},
-        }
-        _write_durably(
-            out / INDEX_FILE,
-            lambda p: p.write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n"),
-        )
+    except BaseException:
+        # No half export: a reader that finds some shards but not the rest would load a model
+        # with missing weights, or fail far from the cause.
+        for name in filenames:
+            (out / name).unlink(missing_ok=True)
+        raise
     return ExportInfo(
         step=step,
         out_dir=str(out),
@@ -293,6 +274,40 @@ def export_hf(
         total_size=total,
         seconds=time.perf_counter() - started,
     )
+
+
+def _stream_shards(
+    uri: str,
+    step: int,
+    *,
+    out: Path,
+    shards: list[list[_Planned]],
+    filenames: list[str],
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    # The reader yields tensors in manifest order, which is the order the plan was cut in, so
+    # shards fill one after another and only the one being filled is held.
+    shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
+    name_of = {item.key: item.name for shard in shards for item in shard}
+    pending: dict[str, torch.Tensor] = {}
+    current = 0
+    done = 0
+    for key, tensor in api.iter_tensors(uri, step=step):
+        index = shard_of.get(key)
+        if index is None:
+            continue
+        # api.iter_tensors yields every replicated/sharded tensor once, in manifest order
+        assert index == current, f"{key!r} came out of manifest order"
+        pending[name_of[key]] = tensor
+        done += tensor.numel() * tensor.element_size()
+        if len(pending) == len(shards[current]):
+            _write_shard(out / filenames[current], pending)
+            pending = {}
+            current += 1
+        if progress is not None:
+            progress(done, total)
+    assert current == len(shards), f"wrote {current} of {len(shards)} files"
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -232,3 +232,18 @@ def test_python_m_trainer_sdk_export_hf(tmp_path: Path) -> None:
     got, shards = _read_export(out)
     assert len(shards) > 1
     _assert_equal_state(got, model.state_dict())
+
+
+def test_a_damaged_checkpoint_is_named_and_leaves_no_half_export(tmp_path: Path) -> None:
+    model = _trained_model()
+    trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=1)
+    manifest = trainer_sdk.api.read_manifest(str(tmp_path / "ckpt"), 1)
+    last = manifest.tensors["model.head.weight"].pieces[0]
+    shard = tmp_path / "ckpt" / "step-000000000001" / last.file
+    data = bytearray(shard.read_bytes())
+    data[last.begin] ^= 0xFF  # a flipped byte in the last model tensor: earlier shards are fine
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(trainer_sdk.errors.CorruptCheckpointError, match=last.file):
+        hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=100)
+    assert sorted(p.name for p in out.iterdir()) == []
