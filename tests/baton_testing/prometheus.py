@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -44,14 +45,63 @@ import pytest
 import yaml
 
 __all__ = [
+    "GRAFANA_VARIABLES",
     "PrometheusError",
     "PrometheusServer",
     "ScrapeTarget",
+    "dashboard_queries",
     "free_port",
     "prometheus_binary",
     "prometheus_server",
     "promtool_binary",
+    "rule_queries",
+    "substitute",
 ]
+
+GRAFANA_VARIABLES: dict[str, str] = {
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$namespace": ".*",
+    "$job": ".*",
+}
+"""What Grafana puts in for the dashboard's variables when "All" is selected, with a rate
+window of a few scrape intervals (Grafana's $__rate_interval is at least four)."""
+
+
+def dashboard_queries(path: Path) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target and every variable query of a Grafana dashboard."""
+    board = json.loads(path.read_text())
+    queries = [
+        (f"panel {p['title']!r} {t['refId']}", t["expr"])
+        for p in board["panels"]
+        for t in p["targets"]
+    ]
+    for var in board["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        # label_values(<selector>, <label>) is Grafana's, not PromQL: run the selector.
+        match = re.fullmatch(r"label_values\((.*), *(\w+)\)", var["query"]["query"])
+        if match is None:
+            raise PrometheusError(f"variable {var['name']}: unexpected query {var['query']}")
+        queries.append((f"variable ${var['name']}", match.group(1)))
+    return queries
+
+
+def rule_queries(path: Path) -> list[tuple[str, str]]:
+    """(where, PromQL) for every alerting and recording rule of a rules file."""
+    groups = yaml.safe_load(path.read_text())["groups"]
+    return [
+        (f"rule {r.get('alert') or r.get('record')}", r["expr"]) for g in groups for r in g["rules"]
+    ]
+
+
+def substitute(expr: str) -> str:
+    """``expr`` with Grafana's variables replaced as in :data:`GRAFANA_VARIABLES`."""
+    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
+        expr = expr.replace(name, GRAFANA_VARIABLES[name])
+    if "$" in expr:
+        raise PrometheusError(f"an unknown Grafana variable is left in {expr!r}")
+    return expr
 
 
 class PrometheusError(Exception):

@@ -13,20 +13,32 @@ with a server-side dry run.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from baton_testing.cluster import LocalCluster
+from baton_testing.prometheus import (
+    PrometheusServer,
+    ScrapeTarget,
+    dashboard_queries,
+    rule_queries,
+    substitute,
+)
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "baton"
+DASHBOARD = ROOT / "deploy" / "grafana" / "baton-dashboard.json"
+RULES = ROOT / "deploy" / "prometheus" / "baton-rules.yaml"
 RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
 CRDS = {"trainingjobs.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
@@ -73,7 +85,15 @@ def _wait_operator_ready(cluster: LocalCluster, namespace: str, deployment: str)
     assert pod["spec"]["containers"][0]["command"] == ["baton-operator"]
 
 
-def _training_job(name: str, namespace: str, workdir: Path) -> dict[str, Any]:
+def _training_job(
+    name: str,
+    namespace: str,
+    workdir: Path,
+    *,
+    steps: int = 12,
+    sleep: float = 0.05,
+    max_failures: int = 1,
+) -> dict[str, Any]:
     """A two-pod TrainingJob running the project's deterministic trainer, restricted-ready."""
     out = workdir / name
     out.mkdir(parents=True)
@@ -84,7 +104,7 @@ def _training_job(name: str, namespace: str, workdir: Path) -> dict[str, Any]:
         "spec": {
             "replicas": 2,
             "checkpoint": {"uri": str(out / "ckpt"), "everySteps": 5, "keepLast": 2},
-            "failurePolicy": {"maxFailures": 1, "backoffSeconds": 1},
+            "failurePolicy": {"maxFailures": max_failures, "backoffSeconds": 1},
             "template": {
                 "spec": {
                     "securityContext": {
@@ -101,11 +121,11 @@ def _training_job(name: str, namespace: str, workdir: Path) -> dict[str, Any]:
                                 "-m",
                                 "baton_testing.trainer",
                                 "--steps",
-                                "12",
+                                str(steps),
                                 "--every-steps",
                                 "5",
                                 "--sleep",
-                                "0.05",
+                                str(sleep),
                                 "--loss-log",
                                 str(out / "loss.log"),
                                 "--result",
@@ -145,7 +165,8 @@ def _run_job_to_success(cluster: LocalCluster, job: dict[str, Any], watch: list[
         + _diagnostics(cluster, [*watch, namespace])
     )
     result = json.loads((Path(job["spec"]["checkpoint"]["uri"]).parent / "result.json").read_text())
-    assert result["step"] == 12
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert result["step"] == int(command[command.index("--steps") + 1])
     cluster.kubectl("delete", "trainingjob", name, "-n", namespace, "--wait", timeout=120)
 
 
@@ -261,3 +282,171 @@ def test_kubectl_apply_k_runs_a_job_and_deletes_cleanly(
     )
     names = {c["metadata"]["name"] for c in _json(cluster, "get", "crds")["items"]}
     assert names >= CRDS
+
+
+def _helm_install(cluster: LocalCluster, helm: str, release: str, ns: str, *extra: str) -> None:
+    command = [helm, "install", release, str(CHART), "--namespace", ns, "--wait"]
+    command += ["--timeout", "5m", "--kubeconfig", str(cluster.kubeconfig), *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
+    assert result.returncode == 0, result.stderr + _diagnostics(cluster, [ns])
+
+
+class _Targets:
+    """Keeps Prometheus' targets on the operator pod and the job's live sidecars (by pod IP)."""
+
+    def __init__(
+        self, cluster: LocalCluster, prom: PrometheusServer, operator: ScrapeTarget, ml: str
+    ) -> None:
+        self._cluster, self._prom, self._operator, self._ml = cluster, prom, operator, ml
+        self._current: list[ScrapeTarget] = [operator]
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(1.0):
+                pods = _json(self._cluster, "get", "pods", "-n", self._ml, "-l", "baton.dev/job")
+                targets = [self._operator] + [
+                    ScrapeTarget(
+                        name=f"sidecar-{p['metadata']['name']}",
+                        address=f"{p['status']['podIP']}:9440",
+                        labels={
+                            "namespace": self._ml,
+                            "job": p["metadata"]["labels"]["baton.dev/job"],
+                        },
+                    )
+                    for p in pods["items"]
+                    if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+                ]
+                if targets != self._current:
+                    self._prom.set_targets(targets)
+                    self._current = targets
+        except BaseException as e:  # surfaced by stop(): a dead refresher must fail the test
+            self.error = e
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self.error is not None:
+            raise AssertionError(f"the target refresher failed: {self.error!r}") from self.error
+
+
+def test_prometheus_scrapes_a_preempted_job_and_every_query_runs(
+    local_cluster: LocalCluster,
+    helm: str,
+    prometheus_server: Callable[..., PrometheusServer],
+    tmp_path: Path,
+) -> None:
+    cluster = local_cluster
+    suffix = uuid.uuid4().hex[:6]
+    release, ns, ml = f"baton-{suffix}", f"baton-prom-{suffix}", f"ml-prom-{suffix}"
+    _restricted_namespace(cluster, ns)
+    _restricted_namespace(cluster, ml)
+    targets: _Targets | None = None
+    try:
+        # networkPolicy off: there is no CNI here to enforce it, and Prometheus runs on the host.
+        _helm_install(cluster, helm, release, ns, "--set", "networkPolicy.enabled=false")
+        _wait_operator_ready(cluster, ns, release)
+        (operator_pod,) = _json(cluster, "get", "pods", "-n", ns)["items"]
+        operator = ScrapeTarget(
+            name="baton-operator",
+            address=f"{operator_pod['status']['podIP']}:8080",
+            honor_labels=True,
+        )
+        prom = prometheus_server([operator], rule_files=[RULES])
+        targets = _Targets(cluster, prom, operator, ml)
+        cluster.add_node()  # replaces the node the notice takes away
+
+        job = _training_job("prom-job", ml, tmp_path, steps=80, sleep=0.3, max_failures=0)
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(job))
+        name = job["metadata"]["name"]
+
+        def status() -> dict[str, Any]:
+            return dict(_json(cluster, "get", "trainingjob", name, "-n", ml).get("status", {}))
+
+        _wait_status(
+            lambda s: bool(s.get("lastCheckpoint")), status, "a first checkpoint", cluster, [ns, ml]
+        )
+        pods = _json(cluster, "get", "pods", "-n", ml, "-l", f"baton.dev/job={name}")["items"]
+        victim = next(
+            p["spec"]["nodeName"]
+            for p in pods
+            if p["spec"]["nodeName"] != operator_pod["spec"]["nodeName"]
+        )
+        cluster.preempt(victim, provider="aws", grace_s=30)
+        _wait_status(
+            lambda s: int(s.get("preemptions", 0)) >= 1 and s.get("phase") == "Running",
+            status, "the job to resume after the notice", cluster, [ns, ml],
+        )  # fmt: skip
+
+        latency = [
+            (w, e)
+            for w, e in dashboard_queries(DASHBOARD)
+            if "baton_checkpoint_seconds_bucket" in e
+        ]
+        assert len(latency) == 2
+        for where, expr in latency:
+
+            def finite(expr: str = expr) -> bool:
+                values = [float(r["value"][1]) for r in prom.query(substitute(expr))]
+                return any(math.isfinite(v) for v in values)
+
+            _wait_until(finite, f"{where} to have a value", timeout=120)
+        failures = []
+        for where, expr in dashboard_queries(DASHBOARD) + rule_queries(RULES):
+            try:
+                prom.query(substitute(expr))
+            except Exception as e:
+                failures.append(f"{where}: {e}")
+        assert failures == []
+        notice = prom.query("sum(baton_checkpoint_notice_to_commit_seconds_count)")
+        assert notice, "the operator's notice-to-commit histogram was not scraped"
+        assert float(notice[0]["value"][1]) >= 1
+
+        final = _wait_status(
+            lambda s: s.get("phase") in ("Succeeded", "Failed"),
+            status,
+            "the end",
+            cluster,
+            [ns, ml],
+        )
+        assert final["phase"] == "Succeeded", _diagnostics(cluster, [ns, ml])
+    finally:
+        if targets is not None:
+            targets.stop()
+        uninstall = [helm, "uninstall", release, "-n", ns, "--wait"]
+        uninstall += ["--kubeconfig", str(cluster.kubeconfig)]
+        subprocess.run(uninstall, capture_output=True, timeout=300, check=False)
+        _delete_namespace(cluster, ml)
+        _delete_namespace(cluster, ns)
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _wait_status(
+    done: Callable[[dict[str, Any]], bool],
+    status: Callable[[], dict[str, Any]],
+    what: str,
+    cluster: LocalCluster,
+    namespaces: list[str],
+    timeout: float = 240,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    current: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        current = status()
+        if done(current):
+            return current
+        time.sleep(1)
+    raise AssertionError(
+        f"timed out waiting for {what}; status {current}\n" + _diagnostics(cluster, namespaces)
+    )

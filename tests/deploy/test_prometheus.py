@@ -9,15 +9,14 @@ docs/observability.md, loads the alert rules, and then every PromQL expression o
 and of the rules is executed through the HTTP API.
 
 The end-to-end version (the same queries during a real preemption in the local cluster) reuses
-the ``prometheus_server`` fixture and :func:`dashboard_queries` / :func:`rule_queries`.
+the ``prometheus_server`` fixture and ``dashboard_queries``/``rule_queries``/``substitute``
+from :mod:`baton_testing.prometheus`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +26,15 @@ from typing import Any
 
 import pytest
 import requests
-import yaml
 from baton_operator.metrics import Metrics, serve
-from baton_testing.prometheus import PrometheusError, PrometheusServer, ScrapeTarget, free_port
+from baton_testing import prometheus
+from baton_testing.prometheus import (
+    PrometheusError,
+    PrometheusServer,
+    ScrapeTarget,
+    free_port,
+    substitute,
+)
 from baton_testing.sidecar_process import SidecarProcess
 
 from trainer_sdk.control import ControlChannel, State, Status, format_rfc3339, utcnow
@@ -38,48 +43,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "baton-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "baton-rules.yaml"
 
-# What Grafana would put in for the dashboard's variables: every namespace and job, and a rate
-# window of a few scrape intervals (Grafana's $__rate_interval is at least 4 scrapes).
-GRAFANA_VARIABLES = {
-    "$__rate_interval": "1m",
-    "$__interval": "15s",
-    "$namespace": ".*",
-    "$job": ".*",
-}
-
 
 def dashboard_queries() -> list[tuple[str, str]]:
-    """(where, PromQL) for every panel target and every variable query of the dashboard."""
-    board = json.loads(DASHBOARD.read_text())
-    queries = [
-        (f"panel {p['title']!r} {t['refId']}", t["expr"])
-        for p in board["panels"]
-        for t in p["targets"]
-    ]
-    for var in board["templating"]["list"]:
-        if var["type"] != "query":
-            continue
-        # label_values(<selector>, <label>) is Grafana's, not PromQL: run the selector.
-        match = re.fullmatch(r"label_values\((.*), *(\w+)\)", var["query"]["query"])
-        assert match, f"variable {var['name']}: unexpected query {var['query']}"
-        queries.append((f"variable ${var['name']}", match.group(1)))
-    return queries
+    return prometheus.dashboard_queries(DASHBOARD)
 
 
 def rule_queries() -> list[tuple[str, str]]:
-    """(where, PromQL) for every alerting and recording rule."""
-    groups = yaml.safe_load(RULES.read_text())["groups"]
-    return [
-        (f"rule {r.get('alert') or r.get('record')}", r["expr"]) for g in groups for r in g["rules"]
-    ]
-
-
-def substitute(expr: str) -> str:
-    """The expression with Grafana's variables replaced as Grafana would; none may remain."""
-    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
-        expr = expr.replace(name, GRAFANA_VARIABLES[name])
-    assert "$" not in expr.replace("$labels", "").replace("$value", ""), expr
-    return expr
+    return prometheus.rule_queries(RULES)
 
 
 class _OperatorMetricsServer:
