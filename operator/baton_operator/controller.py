@@ -234,6 +234,18 @@ class Reconciler:
         self._metrics = metrics
         self._config = config
         self._post = post_event
+        self._phases: dict[tuple[str, str], str] = {}
+
+    def _count_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Keep ``baton_jobs{phase}`` equal to the number of jobs in each phase."""
+        key = (namespace, name)
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+        for p in Phase:
+            count = sum(1 for v in self._phases.values() if v == p.value)
+            self._metrics.jobs.labels(p.value).set(count)
 
     # ----------------------------------------------------------------- entry point
 
@@ -242,10 +254,12 @@ class Reconciler:
         or finished (the daemon may stop)."""
         job = await self._kube.get_job(namespace, name)
         if job is None:
+            self._count_phase(namespace, name, None)
             return None
         spec = JobSpec.from_body(job)
         status: dict[str, Any] = dict(job.get("status") or {})
         phase = Phase(status["phase"]) if status.get("phase") else None
+        self._count_phase(namespace, name, (phase or Phase.PENDING).value)
         now = _now()
         tick = self._config.tick_seconds
         if phase is None:
@@ -697,6 +711,7 @@ class Reconciler:
             self._metrics.deadline_margin.labels(*key).observe((deadline - now).total_seconds())
             self._metrics.last_checkpoint.labels(*key).set(now.timestamp())
             self._metrics.steps_lost.labels(*key).observe(0)
+            self._metrics.steps_lost_total.labels(*key).inc(0)
             await self._event(
                 job, "Normal", "CheckpointCommitted",
                 f"all {replicas} ranks committed step {verdict.step} "
