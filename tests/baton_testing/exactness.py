@@ -1,0 +1,75 @@
+"""Shared by the exactness and emergency-save tests: one uninterrupted reference run of
+``baton_testing.trainer`` per pytest session, and the bitwise comparison against it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from baton_testing import trainer
+
+__all__ = ["STEPS", "WORLD", "args", "check_exact", "reference", "wait_for_step"]
+
+STEPS = 30
+WORLD = 2
+_BASE = ["--steps", str(STEPS), "--every-steps", "4", "--samples", "40", "--batch-size", "4"]
+_cache: dict[str, dict[str, Any]] = {}
+
+
+def args(tmp: Path, *extra: str) -> list[str]:
+    """Trainer arguments for a run under ``tmp`` (checkpoints, loss logs, result)."""
+    return [
+        *_BASE,
+        "--uri", str(tmp / "ck"),
+        "--loss-log", str(tmp / "loss.log"),
+        "--result", str(tmp / "result.json"),
+        *extra,
+    ]  # fmt: skip
+
+
+def _log(tmp: Path, rank: int) -> Path:
+    return tmp / ("loss.log" if rank == 0 else f"loss.log.rank{rank}")
+
+
+def reference(tmp: Path) -> dict[str, Any]:
+    """The uninterrupted run (computed once per session, in ``tmp`` the first time)."""
+    if "ref" not in _cache:
+        trainer.run(WORLD, args(tmp), workdir=tmp / "out", timeout=180)
+        result = json.loads((tmp / "result.json").read_text())
+        losses = {r: dict(trainer.read_loss_log(_log(tmp, r))) for r in range(WORLD)}
+        assert result["step"] == STEPS
+        assert not result["stopped"]
+        assert all(sorted(v) == list(range(1, STEPS + 1)) for v in losses.values())
+        _cache["ref"] = {"result": result, "losses": losses}
+    return _cache["ref"]
+
+
+def check_exact(tmp: Path, ref: dict[str, Any]) -> None:
+    """Every logged step of every segment of the run under ``tmp`` equals the reference
+    bitwise, every step was trained, and the final state digests are equal."""
+    for r in range(WORLD):
+        lines = trainer.read_loss_log(_log(tmp, r))
+        assert {s for s, _ in lines} == set(range(1, STEPS + 1)), f"rank {r} missed steps"
+        for step, loss in lines:
+            assert loss == ref["losses"][r][step], f"rank {r} step {step}: {loss} != reference"
+    got = json.loads((tmp / "result.json").read_text())
+    for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
+        assert got[key] == ref["result"][key], key
+    assert got["sampler"] == ref["result"]["sampler"]
+    assert got["step"] == STEPS
+
+
+def wait_for_step(tmp: Path, step: int, run: trainer.TrainerRun, timeout: float = 120) -> None:
+    """Wait until rank 0 has logged ``step`` (or later); fail if the trainer ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = trainer.read_loss_log(_log(tmp, 0))
+        if lines and lines[-1][0] >= step:
+            return
+        if any(p.poll() is not None for p in run.procs):
+            raise AssertionError(f"trainer ended before step {step}:\n{run.output()}")
+        time.sleep(0.01)
+    run.kill_all()
+    raise AssertionError(f"step {step} not reached in {timeout}s:\n{run.output()}")

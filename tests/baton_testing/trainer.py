@@ -1,0 +1,365 @@
+"""A small, deterministic training script: the workload of the exactness and preemption tests.
+
+It has every source of state that an exact resume must carry: dropout (torch's CPU RNG), AdamW
+moments, a step LR schedule, a CPU ``GradScaler`` whose scale grows, a shuffled ``DataLoader``
+over a :class:`~trainer_sdk.ResumableSampler`, and noise drawn from numpy's and python's global
+RNGs inside the dataset's ``__getitem__``. Run it on one process, or on several with the usual
+torch environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: gloo + DDP)::
+
+    python -m baton_testing.trainer --steps 40 --uri /tmp/ck --every-steps 5 \\
+        --loss-log /tmp/loss.log --result /tmp/result.json
+
+Outputs:
+
+* ``--loss-log PATH``: one line per optimizer step, ``<step> <rank> <loss as float.hex()>``,
+  appended (rank 0 writes PATH, rank r > 0 writes ``PATH.rank<r>``), so segments of an
+  interrupted run can be compared bitwise with an uninterrupted run, step by step.
+* ``--result PATH`` (rank 0): JSON with the last step, whether a notice stopped the run, and
+  sha256 digests of the parameters and of the optimizer, scheduler and scaler state.
+* stdout (rank 0): ``FINAL_SHA256 <digest of parameters>``.
+
+:func:`launch` starts it on N local ranks as real processes (tests kill them with real signals).
+The sidecar tests and the demo reuse it as their trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainerRun", "launch", "main", "read_loss_log", "run"]
+
+_TESTS_DIR = str(Path(__file__).resolve().parent.parent)
+_REPO_DIR = str(Path(_TESTS_DIR).parent)
+
+
+# ---- the script --------------------------------------------------------------------------
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m baton_testing.trainer", description=__doc__)
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps to train in total")
+    p.add_argument("--uri", default=None, help="checkpoint root (default $BATON_CHECKPOINT_URI)")
+    p.add_argument("--loss-log", default=None, help="per-step loss log (see module docstring)")
+    p.add_argument("--result", default=None, help="JSON summary written by rank 0 at the end")
+    p.add_argument("--every-steps", type=int, default=None)
+    p.add_argument("--every-seconds", type=float, default=None)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--async-save", action="store_true", help="periodic saves in the background")
+    p.add_argument(
+        "--control-dir",
+        default=None,
+        help="control directory; '{rank}' is replaced by the rank (one 'pod' per rank)",
+    )
+    p.add_argument("--notice-every", type=int, default=1)
+    p.add_argument("--deadline-margin", type=float, default=5.0)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--declare-accum", action="store_true", help="pass accum to the Checkpointer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=96, help="dataset size")
+    p.add_argument("--batch-size", type=int, default=4, help="per rank")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slows the run)")
+    p.add_argument("--request-at", type=int, default=None, help="request_checkpoint at this step")
+    p.add_argument("--request-rank", type=int, default=0, help="the rank that requests it")
+    p.add_argument(
+        "--request-deadline",
+        type=float,
+        default=None,
+        help="deadline of --request-at, in seconds from the request",
+    )
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (seconds)")
+    return p.parse_args(argv)
+
+
+def _sha256_tensors(items: Iterator[tuple[str, Any]]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name, value in items:
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(str(t.dtype).encode())
+            h.update(repr(tuple(t.shape)).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(json.dumps(value, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
+def _walk(prefix: str, obj: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            yield from _walk(f"{prefix}/{key}", obj[key])
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _walk(f"{prefix}/{i}", v)
+    else:
+        yield prefix, obj
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    import trainer_sdk
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size > 1:
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+
+    # Per-rank streams, as a real job would have (dropout masks differ between ranks).
+    torch.manual_seed(args.seed * 1000 + rank)
+    np.random.seed(args.seed * 1000 + rank)
+    random.seed(args.seed * 1000 + rank)
+
+    gen = torch.Generator().manual_seed(1234)  # the data itself is the same on every rank
+    features = torch.randn(args.samples, 8, generator=gen)
+    w_true = torch.randn(8, 1, generator=gen)
+    targets = features @ w_true + 0.1
+
+    class Noisy(Dataset[tuple[Any, Any]]):
+        def __len__(self) -> int:
+            return int(args.samples)
+
+        def __getitem__(self, i: int) -> tuple[Any, Any]:
+            # numpy and python randomness in the data path, drawn in the main process
+            noise = torch.from_numpy(np.random.normal(0.0, 0.05, 8).astype(np.float32))
+            scale = 1.0 + 0.1 * random.random()
+            return features[i] * scale + noise, targets[i]
+
+    dataset = Noisy()
+    sampler = trainer_sdk.ResumableSampler(dataset, shuffle=True, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0)
+
+    model: nn.Module = nn.Sequential(
+        nn.Linear(8, args.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.hidden, 1)
+    )
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+
+    ckpt = trainer_sdk.Checkpointer(
+        args.uri,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataloader=loader,
+        extra={"scaler": scaler},
+        every_steps=args.every_steps,
+        every_seconds=args.every_seconds,
+        keep_last=args.keep_last,
+        async_save=args.async_save,
+        control_dir=args.control_dir.replace("{rank}", str(rank)) if args.control_dir else None,
+        notice_every=args.notice_every,
+        deadline_margin=args.deadline_margin,
+        timeout=args.timeout,
+        accumulation_steps=args.accum if args.declare_accum else None,
+    )
+    step = ckpt.restore()
+    print(f"RESUMED_FROM {step}", flush=True)
+
+    log_path = None
+    if args.loss_log:
+        log_path = args.loss_log if rank == 0 else f"{args.loss_log}.rank{rank}"
+
+    def batches() -> Iterator[Any]:
+        while True:  # epochs; the sampler moves to the next epoch by itself
+            yield from sampler.track(loader)
+
+    stream = batches()
+    stopped = False
+    while step < args.steps:
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(args.accum):
+            x, y = next(stream)
+            loss = nn.functional.mse_loss(model(x), y) / args.accum
+            scaler.scale(loss).backward()
+            total += float(loss.detach())
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        step += 1
+        if log_path is not None:
+            with open(log_path, "a", encoding="ascii") as f:
+                f.write(f"{step} {rank} {total.hex()}\n")
+        if args.request_at is not None and step == args.request_at and rank == args.request_rank:
+            deadline = (
+                None if args.request_deadline is None else time.time() + args.request_deadline
+            )
+            ckpt.request_checkpoint(deadline=deadline, reason="trainer --request-at")
+        if args.sleep:
+            time.sleep(args.sleep)
+        if ckpt.step(step):
+            stopped = True
+            break
+    ckpt.close()
+
+    if rank == 0:
+        plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        params = _sha256_tensors(_walk("p", dict(plain.state_dict())))
+        result = {
+            "step": step,
+            "stopped": stopped,
+            "world_size": world_size,
+            "params_sha256": params,
+            "optimizer_sha256": _sha256_tensors(_walk("o", optimizer.state_dict())),
+            "scheduler_sha256": _sha256_tensors(_walk("s", scheduler.state_dict())),
+            "scaler_sha256": _sha256_tensors(_walk("g", scaler.state_dict())),
+            "sampler": sampler.state_dict(),
+        }
+        if args.result:
+            Path(args.result).write_text(json.dumps(result, indent=1))
+        print(f"FINAL_SHA256 {params}", flush=True)
+    if world_size > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+# ---- launching it from tests -------------------------------------------------------------
+
+
+@dataclass
+class TrainerRun:
+    """Running trainer ranks (from :func:`launch`)."""
+
+    procs: list[subprocess.Popen[bytes]]
+    workdir: Path
+    outputs: list[Path] = field(default_factory=list)
+
+    def signal(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one rank, if it still runs."""
+        if self.procs[rank].poll() is None:
+            os.kill(self.procs[rank].pid, sig)
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank still running (a hard node loss) and reap them."""
+        for r in range(len(self.procs)):
+            self.signal(r, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def wait(self, timeout: float = 120.0) -> list[int]:
+        """Wait for every rank; kill all at ``timeout`` and raise. Returns the exit codes."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired as e:
+                self.kill_all()
+                raise AssertionError(f"trainer timed out after {timeout}s:\n{self.output()}") from e
+        return [int(p.returncode) for p in self.procs]
+
+    def output(self, rank: int | None = None) -> str:
+        """The combined stdout/stderr of one rank, or of all (tail)."""
+        ranks = range(len(self.procs)) if rank is None else [rank]
+        return "\n".join(
+            f"--- rank {r}:\n{self.outputs[r].read_text(errors='replace')[-6000:]}" for r in ranks
+        )
+
+
+def launch(
+    world_size: int,
+    args: Sequence[str],
+    *,
+    workdir: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+) -> TrainerRun:
+    """Start the trainer on ``world_size`` local ranks (real processes, gloo); returns at once.
+
+    Every rank gets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1``: each is its own "pod", so that
+    a notice can reach one rank only (pass ``--control-dir .../{rank}``).
+    """
+    from baton_testing.dist import free_port
+
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    run_ = TrainerRun(procs=[], workdir=work)
+    for rank in range(world_size):
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    [_TESTS_DIR, _REPO_DIR, child_env.get("PYTHONPATH", "")]
+                ).rstrip(os.pathsep),
+            }
+        )
+        out_path = work / f"rank{rank}.{len(list(work.glob(f'rank{rank}.*.out')))}.out"
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "baton_testing.trainer", *args],
+                env=child_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=_REPO_DIR,
+            )
+        run_.procs.append(proc)
+        run_.outputs.append(out_path)
+    return run_
+
+
+def run(
+    world_size: int,
+    args: Sequence[str],
+    *,
+    workdir: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+) -> TrainerRun:
+    """Run the trainer to the end; raise (with every rank's output) unless all exit 0."""
+    r = launch(world_size, args, workdir=workdir, env=env)
+    codes = r.wait(timeout)
+    if any(codes):
+        raise AssertionError(f"trainer exited {codes}:\n{r.output()}")
+    return r
+
+
+def read_loss_log(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """The (step, loss hex) lines of one rank's loss log, in the order written."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    lines = []
+    for line in p.read_text(encoding="ascii").splitlines():
+        parts = line.split()
+        if len(parts) == 3:  # a line cut by SIGKILL mid-write has fewer parts
+            lines.append((int(parts[0]), parts[2]))
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
