@@ -118,6 +118,7 @@ class ResumableSampler(Sampler[int]):
         self._epoch_gen = 0  # bumped when the epoch changes or state loads: track() stops
         self._pass_gen = 0  # bumped when a pass starts too: an older iterator stops
         self._loader_workers = 0  # num_workers of the loader seen by find_sampler
+        self._loader_unordered = False  # that loader hands batches over out of order
 
     # -- what it is ---------------------------------------------------------------------------
 
@@ -257,6 +258,8 @@ class ResumableSampler(Sampler[int]):
         Raises :class:`SamplerError` when the position cannot be known: the sampler feeds a
         DataLoader with workers (seen by :func:`find_sampler`) and nothing counts consumption.
         """
+        if self._loader_unordered:
+            raise SamplerError(_UNORDERED)
         if self._loader_workers > 0 and not self._tracked and self._yielded > 0:
             raise SamplerError(
                 f"the DataLoader has num_workers={self._loader_workers} and prefetches indices "
@@ -361,7 +364,20 @@ class ResumableSampler(Sampler[int]):
         self._pass_gen += 1
 
 
+_UNORDERED: Final = (
+    "the DataLoader has in_order=False and workers, so batches reach the loop out of order and "
+    "no count of consumed samples can say which ones were consumed: use in_order=True (the "
+    "default)"
+)
+
+
+def _unordered(loader: DataLoader[Any]) -> bool:
+    return int(loader.num_workers) > 0 and not getattr(loader, "in_order", True)
+
+
 def _samples_per_batch(loader: DataLoader[Any], sampler: ResumableSampler) -> int:
+    if _unordered(loader):
+        raise SamplerError(_UNORDERED)
     if loader.batch_sampler is None:
         if loader.sampler is not sampler:
             raise SamplerError("track(loader): the loader's sampler is not this ResumableSampler")
@@ -389,5 +405,6 @@ def find_sampler(loader: DataLoader[Any]) -> ResumableSampler | None:
     for candidate in candidates:
         if isinstance(candidate, ResumableSampler):
             candidate._loader_workers = max(candidate._loader_workers, int(loader.num_workers))
+            candidate._loader_unordered = candidate._loader_unordered or _unordered(loader)
             return candidate
     return None

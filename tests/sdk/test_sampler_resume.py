@@ -382,3 +382,38 @@ def test_several_world_size_changes_in_one_epoch() -> None:
             s.load_state_dict(state)
     assert sorted(consumed) == list(range(n))
     assert all(s.epoch == 1 for s in samplers)
+
+
+def test_a_loader_that_reorders_batches_is_refused() -> None:
+    """With in_order=False a count of consumed samples cannot say which were consumed."""
+    s = ResumableSampler(20)
+    loader = DataLoader(IndexData(20), batch_size=2, sampler=s, num_workers=2, in_order=False)
+    with pytest.raises(SamplerError, match="in_order"):
+        s.track(loader)
+    assert find_sampler(loader) is s
+    with pytest.raises(SamplerError, match="in_order"):
+        s.state_dict()
+    # without workers there is nothing to reorder
+    t = ResumableSampler(20)
+    plain = DataLoader(IndexData(20), batch_size=2, sampler=t, in_order=False)
+    assert find_sampler(plain) is t
+    assert len(list(t.track(plain))) == 10
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_persistent_workers_across_epochs_and_a_resume(workers: int) -> None:
+    n = 18
+    kw: dict[str, Any] = {"persistent_workers": True, "num_workers": workers} if workers else {}
+    s = ResumableSampler(n, seed=8)
+    loader = DataLoader(IndexData(n), batch_size=4, sampler=s, **kw)
+    seen = [_flat([b.tolist() for b in s.track(loader)]) for _ in range(2)]
+    assert seen == [s.global_order(0), s.global_order(1)]
+    it = s.track(loader)
+    part = _flat(_take(it, 2))
+    state = _save(s)
+    t = ResumableSampler(n, seed=8)
+    t.load_state_dict(state)
+    rest = _flat(
+        [b.tolist() for b in t.track(DataLoader(IndexData(n), batch_size=4, sampler=t, **kw))]
+    )
+    assert part + rest == s.global_order(2)
