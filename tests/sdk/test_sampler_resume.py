@@ -417,3 +417,22 @@ def test_persistent_workers_across_epochs_and_a_resume(workers: int) -> None:
         [b.tolist() for b in t.track(DataLoader(IndexData(n), batch_size=4, sampler=t, **kw))]
     )
     assert part + rest == s.global_order(2)
+
+
+# (untracked iteration with prefetching workers is refused by design, tested above)
+@pytest.mark.parametrize(("workers", "tracked"), [(0, True), (2, True), (0, False)])
+def test_break_and_iterate_again_continues_where_the_loop_stopped(
+    workers: int, tracked: bool
+) -> None:
+    n = 26
+    s = ResumableSampler(n, seed=6)
+    loader = _loader(s, n, bs=3, workers=workers)
+    got: list[int] = []
+    for _ in range(3):  # three interruptions (an eval, a break) in one epoch
+        it = iter(s.track(loader)) if tracked else iter(loader)
+        got.extend(_flat(_take(it, 2)))
+        del it
+    rest = s.track(loader) if tracked else loader
+    got.extend(_flat([b.tolist() for b in rest]))
+    assert got == s.global_order(0)
+    assert s.epoch == 1
