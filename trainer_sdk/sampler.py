@@ -214,6 +214,9 @@ class ResumableSampler(Sampler[int]):
         return self._track(loader, per_batch)
 
     def _track(self, loader: DataLoader[Any], per_batch: int) -> Iterator[Any]:
+        # Settle first: if the last pass was consumed to its end (a break after the epoch's
+        # last batch), the epoch advances now, not inside iter(loader) after we took our mark.
+        self._settle()
         epoch_gen = self._epoch_gen
         if loader.generator is None:
             cpu_state = torch.get_rng_state()

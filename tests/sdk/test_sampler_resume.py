@@ -436,3 +436,16 @@ def test_break_and_iterate_again_continues_where_the_loop_stopped(
     got.extend(_flat([b.tolist() for b in rest]))
     assert got == s.global_order(0)
     assert s.epoch == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_break_after_the_last_batch_of_an_epoch_loses_no_epoch(workers: int) -> None:
+    n = 12
+    s = ResumableSampler(n, seed=10)
+    loader = _loader(s, n, bs=4, workers=workers)
+    for i, _ in enumerate(s.track(loader)):
+        if i == 2:  # the epoch's last batch: the loop stops before the loader says it is done
+            break
+    assert s.epoch == 1
+    assert _flat([b.tolist() for b in s.track(loader)]) == s.global_order(1)
+    assert s.epoch == 2
