@@ -139,3 +139,37 @@ def test_upload_failing_for_good_leaves_no_committed_step(s3_faults: S3Bucket) -
     fresh = _model_state(9)
     assert trainer_sdk.load(fresh, uri).step == 1
     _assert_same(fresh, good)
+
+
+def _rank_fails_body(uri: str) -> list[str]:
+    state = _model_state(11)
+    trainer_sdk.save(state, uri, step=1)
+    try:
+        trainer_sdk.save(_model_state(12), uri, step=2)
+    except BatonError as e:
+        return [type(e).__name__, str(e), str(trainer_sdk.latest_step(uri))]
+    return ["no error"]
+
+
+@pytest.mark.e2e  # two fresh torch processes
+@pytest.mark.usefixtures("s3_env")
+def test_one_rank_upload_failing_fails_the_save_on_every_rank(s3_faults: S3Bucket) -> None:
+    """Rank 1's shard cannot be uploaded: both ranks raise the same error naming rank 1 and
+    the S3 cause, rank 0 writes no manifest, and no multipart upload is left behind."""
+    assert s3_faults.proxy is not None
+    uri = s3_faults.uri("jobs/r")
+    shard = "jobs/r/step-000000000002/rank-00001-of-00002.safetensors"
+    # Whichever way the shard goes up (one PUT or parts), it fails for good.
+    s3_faults.proxy.add(
+        Fault(op="UploadPart", key=shard, status=500),
+        Fault(op="PutObject", key=shard, status=500),
+    )
+    results = run_ranks(_rank_fails_body, 2, args=(uri,), timeout=240)
+    for name, message, latest in results:
+        assert name == "RankFailedError", message
+        assert "rank(s) 1" in message
+        assert "InternalError" in message
+        assert latest == "1"
+    assert results[0][1] == results[1][1]
+    assert not any("step-000000000002/manifest.json" in k for k in s3_faults.keys(""))
+    assert s3_faults.multipart_uploads() == []
