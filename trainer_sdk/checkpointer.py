@@ -42,7 +42,7 @@ from trainer_sdk import api, rng
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import ControlChannel, State, Status
-from trainer_sdk.errors import CheckpointError
+from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.layout import step_dir
 from trainer_sdk.sampler import find_sampler
 from trainer_sdk.signals import (
@@ -427,13 +427,22 @@ class Checkpointer:
 
     def _load(self, step: int) -> None:
         state = self._state(step)
-        api.load(
+        info = api.load(
             state,
             self.storage.uri,
             step=step,
             process_group=self._group,
             timeout=self.config.timeout.total_seconds(),
         )
+        if info.resharded:
+            log.warning(
+                "step %d was saved by %d ranks and is loaded by %d: the data order continues "
+                "without skips or repeats, but the run is not bitwise equal to one that kept "
+                "its world size",
+                step,
+                info.saved_world_size,
+                self.world_size,
+            )
         meta = state["baton"]
         saved_accum = meta.get("accumulation_steps")
         if (
@@ -462,7 +471,13 @@ class Checkpointer:
             else:
                 set_model_state_dict(self.model, state["model"])
         # RNG last: nothing after this may draw random numbers before training resumes.
-        rng.restore(_unpack_rng(state["rng"].value))
+        if any(p == "rng" or p.startswith("rng.") for p in info.missing_rank_local):
+            # A rank that did not exist at save time: a deterministic state of its own,
+            # derived from the step, so that a rerun of this resume draws the same numbers.
+            log.info("rank %d has no saved RNG state; deriving one from step %d", self.rank, step)
+            rng.restore(rng.derive(step, self.rank))
+        else:
+            rng.restore(_unpack_rng(state["rng"].value))
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -705,7 +720,7 @@ class Checkpointer:
             nbytes, seconds = probe_write(
                 self.storage, rank=self.rank, nbytes=self.config.probe_bytes
             )
-        except OSError as e:
+        except (OSError, BatonError) as e:
             log.warning(
                 "probe write to %s failed (%s): no save-time estimate yet", self.config.uri, e
             )
