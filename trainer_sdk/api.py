@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -158,11 +159,14 @@ class LoadInfo:
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+    """DTensor's class if torch.distributed.tensor is already imported, else None.
+
+    A state can only hold DTensors if that module was imported, and importing it costs
+    seconds, so a plain save never pays for it.
+    """
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None)
+    return dtensor if isinstance(dtensor, type) else None
 
 
 def _as_any(x: object) -> Any:
