@@ -273,6 +273,8 @@ class Baton:
             "template": {"spec": pod_spec},
             "checkpoint": {"uri": str(out / "ckpt"), "everySteps": every_steps},
             "failurePolicy": failure_policy or {"maxFailures": 0, "backoffSeconds": 1},
+            # Pods share the host's network here: a port per job keeps rendezvous apart.
+            "masterPort": _free_port(),
             **(extra_spec or {}),
         }
         if min_replicas is not None:
