@@ -177,6 +177,19 @@ def _set_condition(
     return sorted(out, key=lambda c: str(c["type"]))
 
 
+def _answers(report: SidecarStatus, request_id: str) -> bool:
+    """Whether a sidecar report is about the save serving this notice.
+
+    Our request's id, or an emergency save (a signal or another notice: the SDK serves all
+    pending notices with one save). A periodic save's report is never the answer.
+    """
+    if report.state in ("idle", "requested"):
+        return False
+    if request_id and report.request_id == request_id:
+        return True
+    return report.trigger in ("notice", "signal")
+
+
 def _trainer_state(pod: Mapping[str, Any]) -> tuple[bool, int | None]:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs.get("name") != manifests.TRAINER_NAME:
@@ -686,8 +699,8 @@ class Reconciler:
         for v in views:
             report = memory.reports.get(v.rank)
             expected = ids[v.rank] if v.rank < len(ids) else ""
-            if report is not None and expected and report.request_id not in (expected, None):
-                report = None  # an older save's report, not the answer to our request
+            if report is not None and not _answers(report, expected):
+                report = None  # e.g. the last periodic save: not the answer to this notice
             reports[v.rank] = report
             finished = v.exit_code is not None or v.phase in ("Succeeded", "Failed")
             if v.node_lost or not v.exists or (live.get(v.rank) is None and finished):

@@ -43,9 +43,10 @@ class OperatorConfig:
     """How often each job's daemon reconciles. Small, because notices have short deadlines."""
     progress_poll_seconds: float = 5.0
     """How often a running job's sidecars are asked for the last committed step."""
-    min_checkpoint_window_seconds: float = 5.0
+    min_checkpoint_window_seconds: float = 10.0
     """A deadline already past (or nearer than this) is pushed to now + this, so the SDK can
-    still try a save at the next step, or say it skipped."""
+    still try a save at the next step, or say it skipped. Above the SDK's own safety margin
+    (5 s by default), which it subtracts from the deadline."""
     node_lost_seconds: int = 20
     """Pods tolerate an unreachable/not-ready node this long before taint eviction (and the
     operator calls the node lost): the default 300 s would leave a job idle for five minutes."""
