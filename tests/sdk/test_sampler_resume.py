@@ -449,3 +449,45 @@ def test_a_break_after_the_last_batch_of_an_epoch_loses_no_epoch(workers: int) -
     assert s.epoch == 1
     assert _flat([b.tolist() for b in s.track(loader)]) == s.global_order(1)
     assert s.epoch == 2
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("scenario", range(30))
+def test_random_world_size_changes_keep_every_epoch_exactly_once(
+    scenario: int, drop_last: bool
+) -> None:
+    """Random dataset sizes, batch sizes and sequences of world sizes (incl. more ranks than
+    samples): over an epoch every sample is consumed once, except for the padding of the final
+    pass (taken from the start of the order), or with drop_last the tail it drops."""
+    r = random.Random(scenario)
+    n, bs = r.randint(1, 40), r.randint(1, 5)
+    world = r.randint(1, 4)
+    samplers = _ranks(n, world, drop_last=drop_last)
+    order = samplers[0].global_order(0)
+    consumed: Counter[int] = Counter()
+    pass_start = 0  # where the pass on the current world size began
+    for _ in range(r.randint(0, 4)):
+        if samplers[0].epoch != 0:
+            break  # (a loaded position can already be the end of the epoch, with drop_last)
+        got, _its = _lockstep(samplers, n, bs, r.randint(0, 3))
+        consumed.update(i for per_rank in got for i in per_rank)
+        if samplers[0].epoch != 0:
+            break
+        state = _save(samplers[0])
+        assert all(_save(s) == state for s in samplers[1:])
+        world, pass_start = r.randint(1, 4), state["position"]
+        samplers = _ranks(n, world, drop_last=drop_last)
+        for s in samplers:
+            s.load_state_dict(state)
+    if samplers[0].epoch == 0:  # finish the epoch on the last world size
+        got, _its = _lockstep(samplers, n, bs, None)
+        consumed.update(i for per_rank in got for i in per_rank)
+    if drop_last:
+        kept = pass_start + (n - pass_start) // world * world
+        assert consumed == Counter(order[:kept])
+    else:
+        pad = -(n - pass_start) % world
+        assert set(consumed) == set(range(n))
+        assert sum(consumed.values()) == n + pad
+        assert consumed - Counter(range(n)) == Counter((order * (pad // n + 1))[:pad])
+    assert all(s.epoch == 1 and s.position == 0 for s in samplers)
