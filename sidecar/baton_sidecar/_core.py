@@ -67,12 +67,12 @@ class Sidecar:
         async with self._request_lock:
             request, merged = await asyncio.to_thread(self._request, deadline, reason, source)
         log.info(
-            "checkpoint request %s from %s (deadline %s, %s): %s",
+            "checkpoint request %s from %s (deadline %s, %s): %r",
             request.id,
             source,
             "none" if request.deadline is None else request.deadline.isoformat(),
             "merged" if merged else "new",
-            reason or "no reason given",
+            reason,
         )
         return request, merged
 

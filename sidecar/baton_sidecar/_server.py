@@ -113,6 +113,11 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
             f"no endpoint {request.path}: use POST /v1/checkpoint, GET /v1/status, "
             "GET /metrics or GET /healthz",
         )
+    except web.HTTPException:
+        raise
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error ({type(e).__name__}); see the sidecar's log")
 
 
 @web.middleware

@@ -101,7 +101,7 @@ def test_status_round_trips_and_reads_tolerantly(tmp_path: Path) -> None:
     ch = ControlChannel(tmp_path)
     assert ch.read_status() is None
     status = Status(
-        state="saving",
+        state=State("saving"),
         request_id="r",
         step=3,
         deadline=datetime(2030, 1, 1, tzinfo=UTC),
