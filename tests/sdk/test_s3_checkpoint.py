@@ -12,6 +12,7 @@ from baton_testing.dist import run_ranks
 from baton_testing.s3 import Fault, S3Bucket
 
 import trainer_sdk
+from trainer_sdk import cli
 from trainer_sdk.errors import BatonError
 
 # 5 MiB parts, and few quick retries, so that a 6 MiB tensor is a real multipart upload and a
@@ -173,3 +174,24 @@ def test_one_rank_upload_failing_fails_the_save_on_every_rank(s3_faults: S3Bucke
     assert results[0][1] == results[1][1]
     assert not any("step-000000000002/manifest.json" in k for k in s3_faults.keys(""))
     assert s3_faults.multipart_uploads() == []
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_cli_ls_and_verify_over_s3(s3_bucket: S3Bucket, capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m trainer_sdk ls / verify read S3 through the same storage; a byte flipped in
+    the bucket is caught by name."""
+    uri = s3_bucket.uri("jobs/cli")
+    trainer_sdk.save(_model_state(5), uri, step=3)
+    assert cli.main(["ls", uri]) == 0
+    assert "3" in capsys.readouterr().out
+    assert cli.main(["verify", uri]) == 0
+    capsys.readouterr()
+
+    key = "jobs/cli/step-000000000003/rank-00000-of-00001.safetensors"
+    data = bytearray(s3_bucket.get(key))
+    data[len(data) // 2] ^= 0xFF
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=key, Body=bytes(data))
+    assert cli.main(["verify", uri, "--step", "3"]) != 0
+    captured = capsys.readouterr()
+    assert "rank-00000-of-00001.safetensors" in captured.out + captured.err
+    assert "sha256" in captured.out + captured.err
