@@ -272,3 +272,19 @@ def test_unreachable_endpoint_names_the_fix(
     st = S3Storage.from_uri(s3_faults.uri(), config=cfg)
     with pytest.raises(StorageError, match="check AWS_ENDPOINT_URL_S3"):
         st.exists("latest")
+
+
+def test_adaptive_retry_mode_rides_out_throttling(s3_faults: S3Bucket) -> None:
+    """retry_mode="adaptive" (client-side rate limiting after SlowDown) uploads correctly."""
+    proxy = _proxy(s3_faults)
+    proxy.add(
+        Fault(op="UploadPart", part_numbers=frozenset({1, 2}), status=503, code="SlowDown", times=2)
+    )
+    cfg = S3Config(
+        part_size=PART, max_concurrency=2, retry_mode="adaptive", backoff_base=0.05, max_attempts=3
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=cfg)
+    data = os.urandom(2 * PART + 1)
+    _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    assert sum(s.status == 503 for s in proxy.seen("UploadPart")) == 2
