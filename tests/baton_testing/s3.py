@@ -470,12 +470,27 @@ def _new_bucket(moto_s3: MotoServer) -> tuple[str, Any]:
     return name, client
 
 
+def _drop_bucket(client: Any, name: str) -> None:
+    """Empty and delete a test's bucket: moto keeps every byte in memory for the session."""
+    for up in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=name):
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            client.delete_objects(Bucket=name, Delete={"Objects": objects, "Quiet": True})
+    client.delete_bucket(Bucket=name)
+
+
 @pytest.fixture
-def s3_bucket(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+def s3_bucket(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
     """A fresh bucket; the AWS env vars point boto3 straight at moto."""
     name, client = _new_bucket(moto_s3)
     _set_env(monkeypatch, moto_s3.endpoint)
-    return S3Bucket(name=name, endpoint=moto_s3.endpoint, client=client)
+    try:
+        yield S3Bucket(name=name, endpoint=moto_s3.endpoint, client=client)
+    finally:
+        _drop_bucket(client, name)
 
 
 @pytest.fixture
@@ -489,3 +504,4 @@ def s3_faults(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         yield S3Bucket(name=name, endpoint=proxy.endpoint, client=client, proxy=proxy)
     finally:
         proxy.stop()
+        _drop_bucket(client, name)
