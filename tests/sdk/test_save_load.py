@@ -252,3 +252,95 @@ def test_ddp_and_fsdp2_roundtrip_on_real_ranks(tmp_path: Path, world: int) -> No
     run_ranks(_ddp_and_fsdp_body, world, args=(str(tmp_path),), timeout=240)
     _check_ddp_spread(tmp_path, world)
     _check_fsdp_resharded_into_one_process(tmp_path, world)
+
+
+# ---------------------------------------------------------------- resharding 2 -> 3 ranks
+
+
+def _fsdp_model(world: int, seed: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = _mlp(seed)
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _reshard_save_body(root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank = dist.get_rank()
+    net = _fsdp_model(2, seed=0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    _train(net, opt, 2, seed=3 + rank)
+    msd, osd = get_state_dict(net, opt)
+    state = {
+        "model": msd,
+        "optim": osd,
+        "replicated": torch.arange(40.0).reshape(8, 5),
+        "rng": RankLocal(torch.tensor([100 + rank])),
+    }
+    trainer_sdk.save(state, f"{root}/ckpt", step=4)
+    full_m = {k: v.full_tensor() for k, v in msd.items()}
+    full_o = {
+        f"{fqn}.{name}": (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        for fqn, s in osd["state"].items()
+        for name, v in s.items()
+    }
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(
+            {
+                **{f"m.{k}": v for k, v in full_m.items()},
+                **{f"o.{k}": v for k, v in full_o.items()},
+            },
+            f"{root}/full.safetensors",
+        )
+
+
+def _reshard_load_body(root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    world = dist.get_world_size()
+    net = _fsdp_model(world, seed=42)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(net, opt)
+    st: dict[str, Any] = {
+        "model": msd,
+        "optim": osd,
+        "replicated": torch.zeros(8, 5),
+        "rng": RankLocal(torch.tensor([-1])),
+    }
+    info = trainer_sdk.load(st, f"{root}/ckpt")
+    full = load_file(f"{root}/full.safetensors")
+    for k, v in st["model"].items():
+        assert torch.equal(v.full_tensor(), full[f"m.{k}"]), k
+        assert v.to_local().shape[0] < full[f"m.{k}"].shape[0] or world == 1
+    for fqn, s in st["optim"]["state"].items():
+        for name, v in s.items():
+            got = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(got, full[f"o.{fqn}.{name}"]), (fqn, name)
+    assert torch.equal(st["replicated"], torch.arange(40.0).reshape(8, 5))
+    return {
+        "resharded": info.resharded,
+        "saved": info.saved_world_size,
+        "missing": info.missing_rank_local,
+        "rng": int(st["rng"].value.item()),
+    }
+
+
+@pytest.mark.e2e
+def test_fsdp2_checkpoint_from_2_ranks_loads_on_3(tmp_path: Path) -> None:
+    run_ranks(_reshard_save_body, 2, args=(str(tmp_path),), timeout=240)
+    out = run_ranks(_reshard_load_body, 3, args=(str(tmp_path),), timeout=240)
+    assert all(o["resharded"] and o["saved"] == 2 for o in out)
+    # ranks 0 and 1 get their own RankLocal values; rank 2 did not exist: told, not guessed
+    assert [o["rng"] for o in out] == [100, 101, -1]
+    assert [o["missing"] for o in out] == [[], [], ["rng"]]
