@@ -288,3 +288,22 @@ def test_adaptive_retry_mode_rides_out_throttling(s3_faults: S3Bucket) -> None:
     _upload(st, "shard", data)
     assert s3_faults.get("ckpt/shard") == data
     assert sum(s.status == 503 for s in proxy.seen("UploadPart")) == 2
+
+
+def test_first_failure_in_time_is_the_error_raised(s3_faults: S3Bucket) -> None:
+    """Part 1 stalls until its read timeout; part 2 is refused at once. The refusal is the
+    original error: part 1's later timeout (a consequence, and a lower part number) is not."""
+    proxy = _proxy(s3_faults)
+    proxy.add(
+        Fault(op="UploadPart", part_numbers=frozenset({1}), action="stall", seconds=5),
+        Fault(op="UploadPart", part_numbers=frozenset({2}), status=403, code="AccessDenied"),
+    )
+    cfg = S3Config(
+        part_size=PART, max_concurrency=2, max_attempts=1, retry_rounds=2, read_timeout=2.0
+    )
+    st = S3Storage.from_uri(s3_faults.uri(), config=cfg)
+    with pytest.raises(StorageError, match=r"access denied to upload part 2 of"):
+        _upload(st, "shard", os.urandom(2 * PART + 1))
+    assert s3_faults.multipart_uploads() == []
+    # Part 1 was not tried again after part 2 had failed the upload.
+    assert len([s for s in proxy.seen("UploadPart") if s.part_number == 1]) == 1

@@ -576,6 +576,9 @@ class _Upload:
     slots: threading.Semaphore
     cancel: threading.Event = field(default_factory=threading.Event)
     futures: dict[int, Future[_Part]] = field(default_factory=dict)
+    first_error: BaseException | None = None
+    """The first part failure in time: the original error, whatever failed after it."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _S3Writer:
@@ -672,7 +675,10 @@ class _S3Writer:
                 ),
                 cancel=up.cancel,
             )
-        except BaseException:
+        except BaseException as e:
+            with up.lock:
+                if up.first_error is None and not up.cancel.is_set():
+                    up.first_error = e
             up.cancel.set()  # stop the other parts from starting new rounds
             raise
         finally:
@@ -800,8 +806,11 @@ class _S3Writer:
 
 
 def _first_error(up: _Upload) -> BaseException | None:
-    """The error of the lowest-numbered failed part, preferring real failures over the parts
-    that were abandoned because of them (so the original error is the one raised)."""
+    """The original error: the part failure that came first in time, not those of the parts
+    that failed or were abandoned after it (a timeout that ends later, a cancelled round)."""
+    with up.lock:
+        if up.first_error is not None:
+            return up.first_error
     errors = [
         (_retry.is_cancelled(e), n, e)
         for n, f in sorted(up.futures.items())
