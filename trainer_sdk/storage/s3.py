@@ -313,13 +313,10 @@ class S3Storage:
         key: str,
         fn: Callable[[], T],
         *,
-        retry: bool = True,
         cancel: threading.Event | None = None,
     ) -> T:
         """Run one S3 request (with the SDK's retry rounds) and translate its failure."""
         try:
-            if not retry:
-                return fn()
             return _retry.retrying(
                 f"{action} {self._uri_of(key)}", fn, policy=self._policy, cancel=cancel
             )
