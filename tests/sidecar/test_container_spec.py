@@ -31,6 +31,7 @@ def _documented_pod_spec() -> dict[str, Any]:
 
 def _sidecar_container(spec: dict[str, Any]) -> dict[str, Any]:
     (container,) = [c for c in spec["initContainers"] if c["name"] == "baton-sidecar"]
+    assert isinstance(container, dict)
     return container
 
 
