@@ -28,6 +28,7 @@ skipped or repeated (except the padding or dropping that ``drop_last`` asks for,
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, Final, TypeVar
@@ -43,6 +44,8 @@ __all__ = ["ResumableSampler", "SamplerError", "find_sampler"]
 
 STATE_VERSION: Final = 1
 """Bumped when the layout of :meth:`ResumableSampler.state_dict` changes."""
+_CHUNK: Final = 65536  # indices turned into Python ints at a time
+_CHECKED_PREFIX: Final = 4096  # order entries whose digest the state carries
 
 T = TypeVar("T")
 
@@ -119,6 +122,8 @@ class ResumableSampler(Sampler[int]):
         self._pass_gen = 0  # bumped when a pass starts too: an older iterator stops
         self._loader_workers = 0  # num_workers of the loader seen by find_sampler
         self._loader_unordered = False  # that loader hands batches over out of order
+        self._digest: tuple[int, str] | None = None  # (epoch, digest of its order's start)
+        self._held_order: tuple[int, torch.Tensor] | None = None  # computed on load, for iter()
 
     # -- what it is ---------------------------------------------------------------------------
 
@@ -169,15 +174,18 @@ class ResumableSampler(Sampler[int]):
         self._pass_gen += 1
         return self._generate(self._pass_gen, self._local_indices(self._start))
 
-    def _generate(self, pass_gen: int, indices: list[int]) -> Iterator[int]:
-        for index in indices:
-            if pass_gen != self._pass_gen:
-                return  # set_epoch / load_state_dict / a newer iter() since: this pass is over
-            # Without consumer counting this is also the consumed count: with num_workers=0 the
-            # DataLoader pulls an index only to hand its batch to the loop (find_sampler makes
-            # state_dict refuse the prefetching case).
-            self._yielded += 1
-            yield index
+    def _generate(self, pass_gen: int, indices: torch.Tensor) -> Iterator[int]:
+        # Python ints a chunk at a time: a list of every index of a 100M-sample epoch would
+        # cost gigabytes.
+        for lo in range(0, indices.numel(), _CHUNK):
+            for index in indices[lo : lo + _CHUNK].tolist():
+                if pass_gen != self._pass_gen:
+                    return  # set_epoch / load_state_dict / a newer iter() since: pass is over
+                # Without consumer counting this is also the consumed count: with
+                # num_workers=0 the DataLoader pulls an index only to hand its batch to the
+                # loop (find_sampler makes state_dict refuse the prefetching case).
+                self._yielded += 1
+                yield index
 
     def mark_consumed(self, n: int) -> None:
         """Tell the sampler the training loop has taken ``n`` more samples of this rank.
@@ -278,6 +286,8 @@ class ResumableSampler(Sampler[int]):
             "seed": self._seed,
             "shuffle": self._shuffle,
             "num_replicas": self._replicas,  # informational: a load may use another world size
+            "order_check": self._order_digest(self.epoch),
+            "torch_version": torch.__version__,  # informational, for the order_check message
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], /) -> None:
@@ -309,6 +319,15 @@ class ResumableSampler(Sampler[int]):
                 f"sampler state has epoch={epoch} position={position}, outside "
                 f"[0, {self._num_samples}]: the state is corrupt"
             )
+        saved_check = state.get("order_check")
+        if saved_check is not None and saved_check != self._order_digest(epoch):
+            raise SamplerError(
+                f"the order of epoch {epoch} computed here differs from the one the checkpoint "
+                f"was trained on (saved with torch {state.get('torch_version')}, this is torch "
+                f"{torch.__version__}, whose randperm may have changed): resuming would skip "
+                "and repeat samples: resume with the saved torch version, or leave this state "
+                f"out and start a new sampler at the next epoch (set_epoch({epoch + 1}))"
+            )
         self._new_pass(epoch, position)
         self._settle()  # a position at the end of the epoch means the next epoch's start
 
@@ -323,14 +342,31 @@ class ResumableSampler(Sampler[int]):
         generator.manual_seed(mix_seed(self._seed, epoch))
         return torch.randperm(self._num_samples, generator=generator)
 
+    def _order_digest(self, epoch: int) -> str:
+        """A digest of the start of ``epoch``'s order: saved with the state and checked on load,
+        so that a torch whose ``randperm`` draws differently cannot silently change the order
+        under a resumed run. Cached per epoch: the order costs O(N) to compute."""
+        if self._digest is None or self._digest[0] != epoch:
+            order = self._order(epoch)
+            self._remember_digest(epoch, order)
+            self._held_order = (epoch, order)  # the next iter() needs it: randperm only once
+        assert self._digest is not None
+        return self._digest[1]
+
+    def _remember_digest(self, epoch: int, order: torch.Tensor) -> None:
+        head = order[:_CHECKED_PREFIX].to(torch.int64)
+        self._digest = (epoch, hashlib.sha256(head.numpy().tobytes()).hexdigest()[:32])
+
     def _local_count(self, start: int) -> int:
         rest = self._num_samples - start
         if self._drop_last:
             return rest // self._replicas
         return math.ceil(rest / self._replicas)
 
-    def _local_indices(self, start: int) -> list[int]:
-        order = self._order(self._epoch)
+    def _local_indices(self, start: int) -> torch.Tensor:
+        held, self._held_order = self._held_order, None
+        order = held[1] if held is not None and held[0] == self._epoch else self._order(self._epoch)
+        self._remember_digest(self._epoch, order)  # the order is at hand: saves stay O(1)
         rest = order[start:]
         total = self._local_count(start) * self._replicas
         if total > rest.numel():
@@ -340,8 +376,7 @@ class ResumableSampler(Sampler[int]):
             rest = torch.cat([rest, order.repeat(math.ceil(pad / order.numel()))[:pad]])
         else:
             rest = rest[:total]
-        local: list[int] = rest[self._rank :: self._replicas].tolist()
-        return local
+        return rest[self._rank :: self._replicas]
 
     def _consumed(self) -> int:
         return self._marked if self._tracked else self._yielded

@@ -268,6 +268,8 @@ def test_track_needs_a_loader_it_can_count() -> None:
         ({"position": 99}, "corrupt"),
         ({"epoch": -1}, "corrupt"),
         ({"position": "3"}, "must be an int"),
+        # what a torch whose randperm draws differently would produce
+        ({"order_check": "0" * 32, "torch_version": "9.9"}, "differs.*torch 9.9"),
     ],
 )
 def test_a_state_from_another_setup_is_refused(change: dict[str, Any], message: str) -> None:
