@@ -14,6 +14,7 @@ from aiohttp import web
 from baton_sidecar._clouds import AzurePoller, detect_clouds, make_pollers
 from baton_sidecar._config import Cloud, SidecarConfig
 from baton_sidecar._core import Sidecar
+from baton_sidecar._errors import ConfigError
 from baton_sidecar._server import TokenFile, create_app
 
 __all__ = ["serve"]
@@ -29,7 +30,13 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
     """Serve until ``stop`` is set or the process gets SIGTERM/SIGINT."""
     token = TokenFile(config.token_file)  # fails fast, before binding, if it is unusable
     sidecar = Sidecar(config)
-    config.control_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        config.control_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the control directory {config.control_dir}: {e.strerror}. Mount "
+            "the baton-control emptyDir there or pass --control-dir / BATON_CONTROL_DIR"
+        ) from e
     app = create_app(sidecar, token)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

@@ -359,3 +359,66 @@ def test_request_written_by_anything_else_is_reported(sidecar: SidecarProcess) -
     channel.write_request(Request(deadline=utcnow() + timedelta(seconds=50), source="kubectl"))
     pending = wait_for(lambda: sidecar.status().json()["pending_request"], what="pending request")
     assert pending["source"] == "kubectl"
+
+
+def test_unusable_control_dir_stops_startup_with_the_fix(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the control directory should be")
+    token = tmp_path / "token"
+    token.write_text("t")
+    result = subprocess.run(
+        [
+            str(SIDECAR_BIN),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--token-file",
+            str(token),
+            "--control-dir",
+            str(blocker / "control"),
+            "--cloud",
+            "none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "cannot create the control directory" in result.stderr
+    assert "emptyDir" in result.stderr
+
+
+def test_control_dir_lost_while_running_is_a_503_not_a_crash(sidecar: SidecarProcess) -> None:
+    # The volume vanishes (or turns into something else) under a running sidecar.
+    sidecar.control_dir.rename(sidecar.control_dir.with_name("moved"))
+    sidecar.control_dir.write_text("not a directory")
+    r = sidecar.post_checkpoint({"deadline": _in(60)})
+    assert r.status_code == 503, r.text
+    assert "control directory" in r.json()["error"]
+    assert sidecar.alive()
+    assert requests.get(f"{sidecar.url}/healthz", timeout=5).status_code == 200
+
+
+def test_secret_volume_style_rotation_through_symlinks(tmp_path: Path) -> None:
+    # A Secret volume: token -> ..data/token, ..data -> ..<timestamp>; an update writes a new
+    # timestamped directory and flips ..data atomically.
+    vol = tmp_path / "secret"
+    (vol / "..v1").mkdir(parents=True)
+    (vol / "..v1" / "token").write_text(TOKEN)
+    (vol / "..data").symlink_to("..v1")
+    (vol / "token").symlink_to("..data/token")
+    proc = SidecarProcess(tmp_path / "run")
+    proc.env["BATON_SIDECAR_TOKEN_FILE"] = str(vol / "token")
+    proc.start()
+    try:
+        assert proc.status().status_code == 200
+        (vol / "..v2").mkdir()
+        (vol / "..v2" / "token").write_text("second-token")
+        (vol / "..data_tmp").symlink_to("..v2")
+        os.replace(vol / "..data_tmp", vol / "..data")
+        assert proc.status().status_code == 401
+        assert proc.status(token="second-token").status_code == 200
+    finally:
+        assert proc.stop() == 0
