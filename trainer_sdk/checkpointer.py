@@ -493,8 +493,8 @@ class Checkpointer:
         trigger: str,
         background: bool,
         prepared: tuple[api.FlatState, api.SavePlan] | None = None,
-    ) -> float:
-        """Save ``step``; returns the seconds it took (staging only, when ``background``)."""
+    ) -> api.SaveInfo | None:
+        """Save ``step``; returns what the save did, or None when it runs in the background."""
         start = time.perf_counter()
         self._last_save_time = time.monotonic()
         self._last_saved_step = step
@@ -512,10 +512,12 @@ class Checkpointer:
                 trigger=trigger,
                 on_commit=self._after_commit,
             )
-            return handle.stage_seconds
+            log.debug("step %d staged in %.3fs", step, handle.stage_seconds)
+            return None
         self._drain()
         flat, plan = prepared or self._prepare(step)
         record: api.RankRecord | BaseException
+        t = time.perf_counter()
         try:
             record = api.write_rank(
                 self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat
@@ -524,6 +526,8 @@ class Checkpointer:
             if self._group is None:
                 raise
             record = e  # still take part in the commit, so every rank learns who failed
+        t_write = time.perf_counter() - t
+        t = time.perf_counter()
         try:
             manifest = api.commit(
                 self.storage,
@@ -543,12 +547,12 @@ class Checkpointer:
             uri=self.storage.uri,
             bytes=manifest.total_bytes,
             seconds=seconds,
-            phases={"save": seconds},
+            phases={"write": t_write, "commit": time.perf_counter() - t},
             files=len(manifest.files),
             trigger=trigger,
         )
         self._after_commit(info, plan.nbytes)
-        return seconds
+        return info
 
     def _after_commit(self, info: api.SaveInfo, rank_bytes: int) -> None:
         # Runs on the training thread (sync saves) or the worker thread (async saves), after
@@ -619,7 +623,7 @@ class Checkpointer:
             drain_s = time.perf_counter() - notice_t
             if step == self._last_committed:
                 # Already committed at this very step (a periodic save just before): done.
-                self._finish_notice(local, step, notice_t, {"drain": drain_s}, 0)
+                self._finish_notice(local, step, notice_t, {"drain": drain_s}, None)
                 return self._after_notice(step, bg_error)
             t = time.perf_counter()
             prepared = self._prepare(step)
@@ -655,9 +659,10 @@ class Checkpointer:
                     self._board.served(local)
                     return self._after_notice(step, bg_error)
             self._update_status(state=State.SAVING)
-            save_s = self._save(step, trigger=trigger, background=False, prepared=prepared)
-            phases = {"drain": drain_s, "plan": plan_s, "write": save_s}
-            self._finish_notice(local, step, notice_t, phases, nbytes)
+            info = self._save(step, trigger=trigger, background=False, prepared=prepared)
+            assert info is not None
+            phases = {"drain": drain_s, "plan": plan_s, **info.phases}
+            self._finish_notice(local, step, notice_t, phases, info.bytes)
         except BaseException as e:
             self._update_status(state=State.FAILED, error=f"{type(e).__name__}: {e}")
             self._board.served(local)
@@ -670,9 +675,8 @@ class Checkpointer:
         step: int,
         notice_t: float,
         phases: dict[str, float],
-        nbytes: int,
+        total_bytes: int | None,
     ) -> None:
-        total_bytes = int(agree_max([float(nbytes)], group=self._group)[0]) * self.world_size
         total = time.perf_counter() - notice_t
         self._update_status(
             state=State.COMMITTED,

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
+import signal
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,7 @@ from torch import nn
 import trainer_sdk
 from trainer_sdk import api
 from trainer_sdk.checkpointer import Checkpointer, ResumeError
+from trainer_sdk.control import ControlChannel, State
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.storage import open_storage
 from trainer_sdk.storage.base import Storage, Writer
@@ -335,8 +341,6 @@ def test_a_background_write_failure_surfaces_at_the_next_step(tmp_path: Path) ->
     for _ in range(200):
         if handle.done():
             break
-        import time
-
         time.sleep(0.01)
     with pytest.raises(CheckpointError, match="No space left on device") as info:
         ck.step(5)
@@ -375,3 +379,82 @@ def test_public_async_save_returns_a_handle_and_saves_the_staged_values(tmp_path
     handle2 = trainer_sdk.async_save(state, str(tmp_path), step=8)
     handle2.wait()
     assert trainer_sdk.latest_step(str(tmp_path)) == 8
+
+
+# ---- notices, in one process (the 2-rank versions are in test_emergency_save.py) ---------
+
+
+def _manifest_trigger(root: Path, step: int) -> str:
+    data = json.loads((root / f"step-{step:012d}" / "manifest.json").read_text())
+    return str(data["trigger"])
+
+
+def test_request_checkpoint_saves_now_and_reports_in_the_control_dir(tmp_path: Path) -> None:
+    model, opt = _model()
+    ctl = tmp_path / "ctl"
+    with Checkpointer(
+        str(tmp_path / "ck"), model=model, optimizer=opt, every_steps=100, control_dir=str(ctl)
+    ) as ck:
+        assert ck.restore() == 0
+        _train(model, opt)
+        assert ck.step(1) is False
+        ck.request_checkpoint(deadline=time.time() + 120, reason="maintenance")
+        _train(model, opt)
+        assert ck.step(2) is True
+    assert api.list_steps(str(tmp_path / "ck")) == [2]
+    assert _manifest_trigger(tmp_path / "ck", 2) == "notice"
+    status = ControlChannel(ctl).read_status()
+    assert status is not None
+    assert status.state == State.COMMITTED
+    assert status.step == 2
+    assert status.last_committed_step == 2
+    assert status.bytes is not None
+    assert status.bytes > 0
+    assert {"drain", "plan", "write", "commit"} <= set(status.phases)
+    assert status.deadline is not None
+
+
+def test_a_control_request_with_a_too_short_deadline_is_skipped(tmp_path: Path) -> None:
+    model, opt = _model()
+    ctl = ControlChannel(tmp_path / "ctl")
+    with Checkpointer(
+        str(tmp_path / "ck"),
+        model=model,
+        optimizer=opt,
+        every_steps=2,
+        control_dir=str(ctl.directory),
+    ) as ck:
+        ck.restore()
+        for step in (1, 2, 3):
+            _train(model, opt)
+            ck.step(step)
+        request, _ = ctl.merge_request(
+            deadline=datetime.now(UTC) + timedelta(seconds=1), reason="spot", source="aws"
+        )
+        _train(model, opt)
+        assert ck.step(4) is True  # stop: the node is going away either way
+    assert api.list_steps(str(tmp_path / "ck")) == [2]  # no step 4, not even partly
+    assert not (tmp_path / "ck" / f"step-{4:012d}").exists()
+    assert not ctl.request_path.exists()
+    status = ctl.read_status()
+    assert status is not None
+    assert status.state == State.SKIPPED
+    assert status.request_id == request.id
+    assert status.step == 4
+    assert status.error is not None
+    assert "margin" in status.error
+    assert "resume from step 2" in status.error
+
+
+def test_sigterm_becomes_an_emergency_save_and_the_handler_is_restored(tmp_path: Path) -> None:
+    model, opt = _model()
+    before = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        ck.restore()
+        _train(model, opt)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert ck.step(1) is True
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert api.list_steps(str(tmp_path)) == [1]
+    assert _manifest_trigger(tmp_path, 1) == "signal"
