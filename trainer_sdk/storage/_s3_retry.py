@@ -104,7 +104,9 @@ def error_code(e: BaseException) -> tuple[str, int | None]:
 
 def is_not_found(e: BaseException) -> bool:
     code, status = error_code(e)
-    return code in {"NoSuchKey", "NotFound", "404"} or (status == 404 and code != "NoSuchBucket")
+    return code in {"NoSuchKey", "NotFound", "404"} or (
+        status == 404 and code not in {"NoSuchBucket", "NoSuchUpload"}
+    )
 
 
 def is_cancelled(e: BaseException) -> bool:
@@ -191,6 +193,12 @@ def translate(e: BaseException, *, action: str, uri: str, bucket: str, endpoint:
         return StorageError(
             f"S3 bucket {bucket!r} does not exist at {endpoint}: create the bucket or fix "
             f"BATON_CHECKPOINT_URI (now {uri!r})"
+        )
+    if code == "NoSuchUpload":
+        return StorageError(
+            f"the multipart upload of {uri} is gone ({action}): a bucket lifecycle rule or a "
+            "cleanup of this step by another process aborted it. Save again, and keep "
+            "AbortIncompleteMultipartUpload longer than a save takes"
         )
     if is_not_found(e):
         return FileNotFoundError(errno.ENOENT, f"no such S3 object ({action})", uri)
