@@ -362,16 +362,17 @@ def test_close_raises_a_pending_background_failure(tmp_path: Path) -> None:
 
 def test_public_async_save_returns_a_handle_and_saves_the_staged_values(tmp_path: Path) -> None:
     weights = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    state = {"w": weights, "meta": {"epoch": 2}}
+    meta = {"epoch": 2}
+    state: dict[str, Any] = {"w": weights, "meta": meta}
     handle = trainer_sdk.async_save(state, str(tmp_path), step=7)
     weights.mul_(-1)  # after staging: must not reach the checkpoint
-    state["meta"]["epoch"] = 99
+    meta["epoch"] = 99
     info = handle.wait()
     assert handle.done()
     assert handle.exception() is None
     assert info.step == 7
     assert info.bytes > 0
-    out = {"w": torch.zeros(3, 4), "meta": {"epoch": 0}}
+    out: dict[str, Any] = {"w": torch.zeros(3, 4), "meta": {"epoch": 0}}
     trainer_sdk.load(out, str(tmp_path), step=7)
     assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert out["meta"] == {"epoch": 2}
