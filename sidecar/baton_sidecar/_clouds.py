@@ -232,6 +232,12 @@ class GceWatch(Poller):
         ) as resp:
             if resp.status != 200:
                 raise PollError(f"instance/{self.key} answered HTTP {resp.status}")
+            if resp.headers.get("Metadata-Flavor") != "Google":
+                # Something else (a proxy, a captive portal) answered in its place.
+                raise PollError(
+                    f"instance/{self.key} answered without 'Metadata-Flavor: Google': "
+                    "that is not the GCE metadata server; check BATON_GCE_METADATA_ENDPOINT"
+                )
             value = (await resp.text()).strip()
             etag = resp.headers.get("ETag")
         changed = etag != self._etag

@@ -102,12 +102,13 @@ class _FakeServer:
                 return
             ready.set()
             loop.run_forever()
-            # Cancel what still hangs (long polls, injected stalls) so that it ends cleanly.
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(self._stop_site())
+            # Cancel what still hangs (long polls, injected stalls) so that it ends cleanly,
+            # until nothing is left (cancelled handlers may schedule follow-ups).
+            while pending := asyncio.all_tasks(loop):
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=run, name=type(self).__name__, daemon=True)
@@ -281,6 +282,8 @@ class FakeGce(_FakeServer):
     def __init__(self, *, port: int = 0) -> None:
         super().__init__(port=port)
         self.values = {"preempted": "FALSE", "maintenance-event": "NONE"}
+        self.impostor = False
+        """Answer values without ``Metadata-Flavor: Google``, as a proxy or portal would."""
         # Created here, used only on the server's loop (a Condition binds to a loop on first use).
         self._changed = asyncio.Condition()
 
@@ -346,7 +349,9 @@ class FakeGce(_FakeServer):
         value = self.values[key]
         return web.Response(
             text=value,
-            headers={"Metadata-Flavor": "Google", "ETag": self._etag(value)},
+            headers={"ETag": self._etag(value)}
+            if self.impostor
+            else {"Metadata-Flavor": "Google", "ETag": self._etag(value)},
             content_type="application/text",
         )
 

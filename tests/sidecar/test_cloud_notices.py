@@ -193,6 +193,21 @@ def test_gce_errors_are_retried(sidecar_factory: Callable[..., SidecarProcess]) 
         assert sc.alive()
 
 
+def test_gce_answer_without_metadata_flavor_is_not_trusted(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    with FakeGce() as gce:
+        gce.impostor = True
+        gce.values["preempted"] = "TRUE"
+        sc = sidecar_factory(cloud="gce", env={**FAST, "BATON_GCE_METADATA_ENDPOINT": gce.url})
+        wait_for(lambda: "not the GCE metadata server" in sc.log(), what="the impostor refused")
+        assert _pending(sc)() is None, "an answer from an impostor must not cause a save"
+        gce.impostor = False
+        assert wait_for(_pending(sc), timeout=30, what="a request from the real server").source == (
+            "gce"
+        )
+
+
 # ---- Azure -------------------------------------------------------------------------------------
 
 
