@@ -60,6 +60,8 @@ _ERROR_MESSAGES = {
     "ServiceUnavailable": "Service is unable to handle request.",
     "TooManyRequests": "Too many requests.",
     "AccessDenied": "Access Denied",
+    "NoSuchUpload": "The specified upload does not exist. The upload ID may be invalid, or the "
+    "upload may have been aborted or completed.",
 }
 
 

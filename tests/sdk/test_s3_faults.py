@@ -307,3 +307,15 @@ def test_first_failure_in_time_is_the_error_raised(s3_faults: S3Bucket) -> None:
     assert s3_faults.multipart_uploads() == []
     # Part 1 was not tried again after part 2 had failed the upload.
     assert len([s for s in proxy.seen("UploadPart") if s.part_number == 1]) == 1
+
+
+def test_upload_aborted_behind_the_writers_back(s3_faults: S3Bucket) -> None:
+    """A lifecycle rule or another process aborted the upload: S3 answers 404 NoSuchUpload
+    (moto answers 500 there, hence the proxy), and the error says what happened."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="CompleteMultipartUpload", status=404, code="NoSuchUpload"))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    with pytest.raises(StorageError, match=r"multipart upload of .* is gone"):
+        _upload(st, "shard", os.urandom(PART + 1))
+    assert len(proxy.seen("CompleteMultipartUpload")) == 1  # not retried
+    assert not st.exists("shard")

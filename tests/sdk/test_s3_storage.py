@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -344,25 +343,3 @@ def test_parallel_writers_share_one_storage(s3_bucket: S3Bucket) -> None:
     for path, data in blobs.items():
         assert s3_bucket.get(f"ckpt/{path}") == data
     assert st.list_dir("step-1") == sorted(p.split("/")[1] for p in blobs)
-
-
-def test_upload_aborted_behind_the_writers_back(s3_bucket: S3Bucket) -> None:
-    """A lifecycle rule or another process aborts the multipart upload mid-save: the writer
-    fails with an error that says so (NoSuchUpload), not a bare 'not found'."""
-    st = S3Storage.from_uri(s3_bucket.uri(), config=SMALL)
-    w = st.open_writer("step-5/shard", size_hint=11 * MiB)
-    w.write(_payload(6 * MiB))  # part 1 goes up in the background
-    (upload,) = s3_bucket.multipart_uploads()
-    ids = {"Bucket": s3_bucket.name, "Key": upload["Key"], "UploadId": upload["UploadId"]}
-    deadline = time.monotonic() + 60
-    while not s3_bucket.client.list_parts(**ids).get("Parts"):  # part 1 is up
-        assert time.monotonic() < deadline, "part 1 never arrived"
-        time.sleep(0.05)
-    s3_bucket.client.abort_multipart_upload(
-        Bucket=s3_bucket.name, Key=upload["Key"], UploadId=upload["UploadId"]
-    )
-    w.write(_payload(5 * MiB))  # part 2 is sent; it fails in the background
-    with pytest.raises(StorageError, match=r"multipart upload of .* is gone"):
-        w.commit()
-    w.abort()
-    assert not st.exists("step-5/shard")
