@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -129,11 +130,23 @@ def drop_cache(path: str) -> None:
                 os.close(fd)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads, user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+CPU: dict[str, list[float]] = {}
+"""CPU seconds per measured call, by function name (reported beside the wall times)."""
+
+
 def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, int]:
     with PeakRSS() as mem:
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         fn(*args, **kwargs)
         dt = time.perf_counter() - t0
+        CPU.setdefault(getattr(fn, "__name__", "?"), []).append(cpu_seconds() - c0)
     return dt, mem.extra
 
 
@@ -194,7 +207,8 @@ def bench_one_process(base: Path, gib: float, runs: int) -> dict[str, Any]:
     for k, v in dest.items():
         assert torch.equal(v, state[k]), k
     hash_share = statistics.median(p["hash"] / p["write"] for p in phases)
-    return {"bytes": nbytes, "results": res, "hash_busy_share_of_write": hash_share}
+    cpu = {k: statistics.median(v) for k, v in CPU.items()}
+    return {"bytes": nbytes, "results": res, "hash_busy_share_of_write": hash_share, "cpu": cpu}
 
 
 # ------------------------------------------------------------------------------ 2 ranks
@@ -338,6 +352,18 @@ def table(title: str, data: dict[str, Any]) -> list[str]:
         f"trainer_sdk save extra memory {mem / 2**20:.0f} MiB vs budget "
         f"{budget / 2**20:.0f} MiB (64 MiB + 5% of the state).",
     ]
+    if "cpu" in data:
+        c = data["cpu"]
+        names = {
+            "raw_write": "raw",
+            "_save_into": "trainer_sdk.save",
+            "dcp_save": "DCP save",
+            "torch_save": "torch.save",
+            "load": "trainer_sdk.load",
+            "dcp_load": "DCP load",
+        }
+        parts = [f"{names[k]} {v:.2f}" for k, v in c.items() if k in names]
+        lines.append("CPU seconds per call (median, all threads): " + ", ".join(parts) + ".")
     if "hash_busy_share_of_write" in data:
         lines.append(
             f"sha256+crc32 thread busy for {data['hash_busy_share_of_write']:.0%} of the "
@@ -362,6 +388,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="save-load-", dir=args.dir))
     try:
         print(f"one process, {args.gib} GiB in {N_TENSORS} tensors, {args.runs} runs, in {base}")
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
         one = bench_one_process(base, args.gib, args.runs)
         lines = table(f"One process, {args.gib:g} GiB, {N_TENSORS} tensors", one)
         if not args.skip_two_ranks:
@@ -371,6 +398,7 @@ def main() -> None:
             two = bench_two_ranks(base, args.gib, args.runs)
             title = f"Two ranks in parallel (gloo), {args.gib:g} GiB replicated state"
             lines += ["", *table(title, two)]
+        lines.append(f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
         print("\n".join(["", *lines]))
     finally:
         shutil.rmtree(base, ignore_errors=True)

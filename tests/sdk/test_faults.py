@@ -280,3 +280,37 @@ def test_rank0_killed_after_all_shards_but_before_the_manifest(tmp_path: Path) -
     assert r1.ok, r1.error or r1.output
     assert r1.value["error"] == "CollectiveTimeoutError", r1.value
     _assert_step2_invisible(tmp_path)
+
+
+def _stuck_rank_body(root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(30)  # a hung rank: alive (its sockets open) but never reaches the save
+        return {"error": None}
+    t0 = time.monotonic()
+    try:
+        trainer_sdk.save({"w": torch.ones(4)}, root, step=1, timeout=3)
+        return {"error": None}
+    except trainer_sdk.CollectiveTimeoutError as e:
+        return {
+            "error": type(e).__name__,
+            "msg": str(e),
+            "ranks": list(e.ranks),
+            "seconds": time.monotonic() - t0,
+        }
+
+
+@pytest.mark.e2e
+def test_a_rank_that_never_arrives_times_out_by_name(tmp_path: Path) -> None:
+    group = start_ranks(_stuck_rank_body, 2, args=(str(tmp_path),), timeout=120)
+    results = group.wait()
+    r0 = results[0]
+    assert r0.ok, r0.error or r0.output
+    assert r0.value["error"] == "CollectiveTimeoutError"
+    assert r0.value["ranks"] == [1]
+    assert "no answer within 3 s; rank(s) 1 never arrived" in r0.value["msg"]
+    # bounded: the wait ended at the deadline, long before the stuck rank woke up
+    assert r0.value["seconds"] < 25
+    assert trainer_sdk.latest_step(str(tmp_path)) is None
