@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 
 from trainer_sdk import __version__ as _baton_version
 from trainer_sdk import _catalog
@@ -45,7 +44,6 @@ from trainer_sdk._collectives import (
     all_gather_json,
     broadcast_json,
     group_rank_world,
-    is_distributed,
 )
 from trainer_sdk._safetensors_io import (
     ST_TO_TORCH,
@@ -197,7 +195,7 @@ def flatten(state: Mapping[str, Any], *, process_group: Any = None) -> FlatState
     """Phase 1: take ``state`` apart into tensor entries and a JSON tree (see module doc)."""
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
-    distributed = is_distributed(process_group)
+    del process_group  # kinds do not depend on it: plain tensors are replicated by definition
     dtensor = _dtensor_type()
     entries: dict[str, FlatEntry] = {}
 
@@ -241,9 +239,7 @@ def flatten(state: Mapping[str, Any], *, process_group: Any = None) -> FlatState
             data = t.detach()
             if not data.is_contiguous():
                 data = data.contiguous()  # one copy of this tensor; documented in format.md
-            kind: Kind = "rank_local" if rank_local or not distributed else "replicated"
-            if not distributed and not rank_local:
-                kind = "replicated"
+            kind: Kind = "rank_local" if rank_local else "replicated"
             entries[key] = FlatEntry(
                 key=key,
                 kind=kind,
@@ -781,12 +777,14 @@ class _Reader:
                 f"ends early while reading tensor {key!r}: {e}", path=path
             ) from e
 
-    def finish(self) -> None:
-        try:
-            for f in self._checks:
-                f.result()
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+    def check(self) -> None:
+        """Wait for the checksums of everything read so far; raise on the first mismatch."""
+        checks, self._checks = self._checks, []
+        for f in checks:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def read_box(
         self,
@@ -1110,9 +1108,9 @@ def _load_local(
         for key, g in global_tree.items():
             own = own_tree.get(key) if isinstance(own_tree, dict) else None
             state[key] = restorer.node(state.get(key), g, own, key)
-        reader.finish()
+        reader.check()
     finally:
-        reader.finish()
+        reader.close()
     return LoadInfo(
         step=step,
         uri=storage.uri,
@@ -1152,12 +1150,7 @@ def iter_tensors(
             else:
                 out = torch.empty(entry.shape, dtype=_torch_dtype(entry.dtype))
                 reader.read_box(key, entry, out, (0,) * len(entry.shape), entry.shape)
-            reader.finish()
-            reader = _Reader(storage, manifest)
+            reader.check()
             yield key, out
     finally:
-        reader.finish()
-
-
-# keep dist imported for type checkers of callers passing ProcessGroup objects
-_ = dist
+        reader.close()
