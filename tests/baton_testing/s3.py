@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
@@ -178,9 +178,12 @@ class Fault:
     nth: frozenset[int] | None = None
     """Only the n-th matching requests (1-based)."""
     times: int | None = None
+    times_per_key: int | None = None
+    """Fire at most this often per object key (e.g. "every PUT fails twice, then succeeds")."""
     seconds: float = 0.0
     matched: int = 0
     fired: int = 0
+    fired_per_key: dict[str, int] = field(default_factory=dict)
 
     def matches(self, op: str, key: str, query: dict[str, str]) -> bool:
         if op != self.op or (self.key is not None and not fnmatch.fnmatchcase(key, self.key)):
@@ -194,7 +197,11 @@ class Fault:
             return False
         if self.times is not None and self.fired >= self.times:
             return False
+        fired_here = self.fired_per_key.get(key, 0)
+        if self.times_per_key is not None and fired_here >= self.times_per_key:
+            return False
         self.fired += 1
+        self.fired_per_key[key] = fired_here + 1
         return True
 
 

@@ -319,3 +319,40 @@ def test_upload_aborted_behind_the_writers_back(s3_faults: S3Bucket) -> None:
         _upload(st, "shard", os.urandom(PART + 1))
     assert len(proxy.seen("CompleteMultipartUpload")) == 1  # not retried
     assert not st.exists("shard")
+
+
+def _quota_storage(bucket: S3Bucket, rounds: int) -> S3Storage:
+    """Every PUT fails twice, then succeeds. Each such PUT costs botocore's per-client retry
+    quota 14 of its 500 units net, so from about the 36th PUT on botocore stops retrying at
+    the first error, whatever max_attempts says."""
+    _proxy(bucket).add(Fault(op="PutObject", status=500, times_per_key=2))
+    cfg = S3Config(max_attempts=3, retry_rounds=rounds, backoff_base=0.01, backoff_max=0.05)
+    return S3Storage.from_uri(bucket.uri(), config=cfg)
+
+
+@pytest.mark.e2e  # 40 PUTs with 2 failures each: ~10 s
+def test_botocore_retry_quota_runs_dry(s3_faults: S3Bucket) -> None:
+    """Without the SDK's own rounds, a save of many objects fails once the quota is spent."""
+    st = _quota_storage(s3_faults, rounds=1)
+
+    def put_all() -> None:
+        for i in range(40):
+            st.write_atomic(f"step-1/f{i:02d}", b"x")
+
+    with pytest.raises(StorageError, match="InternalError"):
+        put_all()
+    written = len(s3_faults.keys("ckpt/step-1/"))
+    assert 30 <= written < 40  # about 500 / 14 PUTs got their retries
+    # botocore gave up on the failing PUT before max_attempts=3: the quota, not the limit.
+    failing = [s for s in _proxy(s3_faults).seen("PutObject") if s.key.endswith(f"f{written:02d}")]
+    assert 1 <= len(failing) < 3
+    assert all(s.status == 500 for s in failing)
+
+
+@pytest.mark.e2e  # 40 PUTs with 2 failures each: ~15 s
+def test_sdk_rounds_outlast_botocore_retry_quota(s3_faults: S3Bucket) -> None:
+    st = _quota_storage(s3_faults, rounds=3)
+    for i in range(40):
+        st.write_atomic(f"step-1/f{i:02d}", b"x")
+    assert len(s3_faults.keys("ckpt/step-1/")) == 40
+    assert sum(s.status == 500 for s in _proxy(s3_faults).seen("PutObject")) == 80
