@@ -195,3 +195,35 @@ def test_cli_ls_and_verify_over_s3(s3_bucket: S3Bucket, capsys: pytest.CaptureFi
     captured = capsys.readouterr()
     assert "rank-00000-of-00001.safetensors" in captured.out + captured.err
     assert "sha256" in captured.out + captured.err
+
+
+@pytest.mark.usefixtures("s3_env")
+def test_checkpointer_on_s3_keeps_last_and_resumes(s3_bucket: S3Bucket) -> None:
+    """The training-loop face on s3://: periodic saves, keep_last retention through
+    S3Storage.delete_tree, and a restore in a fresh Checkpointer."""
+    uri = s3_bucket.uri("jobs/ck")
+    state = _model_state(21)
+    ck = trainer_sdk.Checkpointer(
+        uri,
+        model=state["model"],
+        optimizer=state["optim"],
+        every_steps=1,
+        keep_last=2,
+        handle_sigterm=False,
+    )
+    assert ck.restore() == 0
+    for step in range(1, 5):
+        assert ck.step(step) is False
+    ck.close()
+    steps = sorted({k.split("/")[2] for k in s3_bucket.keys("jobs/ck/") if "/step-" in k})
+    assert steps == ["step-000000000003", "step-000000000004"]
+    assert s3_bucket.multipart_uploads() == []
+
+    fresh = _model_state(22)
+    ck2 = trainer_sdk.Checkpointer(
+        uri, model=fresh["model"], optimizer=fresh["optim"], handle_sigterm=False
+    )
+    assert ck2.restore() == 4
+    ck2.close()
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(v, fresh["model"].state_dict()[k]), k
