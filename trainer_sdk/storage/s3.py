@@ -596,9 +596,13 @@ class _S3Writer:
     def uri(self) -> str:
         return self._s._uri_of(self._key)
 
+    def _closed_how(self) -> str:
+        how = "aborted after an error" if self._state == "failed" else self._state
+        return f"{how}: open a new writer to write the object again"
+
     def write(self, data: memoryview | bytes) -> None:
         if self._state != "open":
-            raise StorageError(f"write to {self.uri} after the writer was {self._state}")
+            raise StorageError(f"write to {self.uri} after the writer was {self._closed_how()}")
         mv = memoryview(data)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -692,7 +696,7 @@ class _S3Writer:
 
     def commit(self) -> None:
         if self._state != "open":
-            raise StorageError(f"commit of {self.uri} after the writer was {self._state}")
+            raise StorageError(f"commit of {self.uri} after the writer was {self._closed_how()}")
         s = self._s
         try:
             if self._upload is None:
