@@ -42,7 +42,14 @@ from trainer_sdk import api, rng
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import ControlChannel, State, Status
-from trainer_sdk.errors import BatonError, CheckpointError
+from trainer_sdk.errors import (
+    BatonError,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StorageError,
+)
 from trainer_sdk.layout import step_dir
 from trainer_sdk.sampler import find_sampler
 from trainer_sdk.signals import (
@@ -64,6 +71,20 @@ log = logging.getLogger("trainer_sdk.checkpointer")
 _DEFAULT_URI: Final = "./checkpoints"
 _HEARTBEAT_EVERY_S: Final = 5.0
 _NO_STEP: Final = 10**12  # above every valid step number
+
+# Load verdicts, ordered so that the all-reduce MAX gives the worst.
+_LOAD_OK: Final = 0
+_LOAD_FALL_BACK: Final = 1
+_LOAD_FATAL: Final = 2
+_FALLBACK_ERRORS: Final = (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StorageError,
+    OSError,
+    EOFError,
+)
+"""A step that fails to load with one of these is damaged: try the next older one."""
 
 
 class ResumeError(CheckpointError):
@@ -270,16 +291,30 @@ class Checkpointer:
         loaded: int | None = None
         for candidate in sorted(steps, reverse=True):
             error: BaseException | None = None
+            verdict = _LOAD_OK
             try:
                 self._load(candidate)
-            except ResumeError:
-                raise  # a setting differs from the checkpoint: an older one would not help
-            except (CheckpointError, OSError, ValueError, KeyError) as e:
-                error = e
-            ok = self._all_ok(error is None)
-            if ok:
+            except _FALLBACK_ERRORS as e:
+                error, verdict = e, _LOAD_FALL_BACK
+            except Exception as e:
+                error, verdict = e, _LOAD_FATAL
+            verdict = self._worst(verdict)
+            if verdict == _LOAD_OK:
                 loaded = candidate
                 break
+            if verdict == _LOAD_FATAL:
+                # The checkpoint is readable but does not fit this run (other shapes, keys,
+                # settings, dataset). An older step would not fit better, and starting from
+                # zero would let retention delete the good checkpoints later: stop here.
+                if isinstance(error, ResumeError):
+                    raise error
+                raise ResumeError(
+                    f"checkpoint step {candidate} under {self.config.uri} cannot be loaded into "
+                    f"this run: {error or 'another rank failed to load it (see its log)'}. The "
+                    "checkpoint is left intact: build the model, optimizer, scheduler, sampler "
+                    "and extra state like the run that saved it, or start a new run under "
+                    "another uri"
+                ) from error
             log.error(
                 "checkpoint step %d could not be loaded (%s); falling back to an older step",
                 candidate,
@@ -712,12 +747,13 @@ class Checkpointer:
             dist.broadcast(buf, src=_global_rank0(self._group), group=self._group)
         return [int(s) for s in buf.tolist()]
 
-    def _all_ok(self, ok: bool) -> bool:
+    def _worst(self, verdict: int) -> int:
+        """The worst load verdict of all ranks, so that every rank acts alike."""
         if self._group is None:
-            return ok
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+            return verdict
+        flag = torch.tensor([verdict], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item()) == 0
+        return int(flag.item())
 
     def _probe(self) -> None:
         try:

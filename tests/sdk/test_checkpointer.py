@@ -459,3 +459,23 @@ def test_sigterm_becomes_an_emergency_save_and_the_handler_is_restored(tmp_path:
     assert signal.getsignal(signal.SIGTERM) == before
     assert api.list_steps(str(tmp_path)) == [1]
     assert _manifest_trigger(tmp_path, 1) == "signal"
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_skipped(tmp_path: Path) -> None:
+    model, opt = _model()
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
+        _train(model, opt)
+        ck.save(1)
+        _train(model, opt)
+        ck.save(2)
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    # falling back to step 1 (same mismatch) or starting from 0 (and later deleting the good
+    # checkpoints by retention) would both be wrong: refuse, name the fix, keep the files
+    with (
+        Checkpointer(str(tmp_path), model=other, optimizer=other_opt) as ck,
+        pytest.raises(ResumeError, match=r"step 2 .* cannot be loaded into this run"),
+    ):
+        ck.restore()
+    assert api.list_steps(str(tmp_path)) == [1, 2]
