@@ -167,6 +167,10 @@ def _check_python(value: Any) -> tuple[int, tuple[int, ...], float | None]:
     if not isinstance(value, Mapping):
         raise RngError(f"RNG state 'python' must be a dict: {fix}")
     version, words, gauss = value.get("version"), value.get("state"), value.get("gauss_next")
+    if isinstance(words, torch.Tensor) and words.dim() == 1 and _is_integer(words.dtype):
+        # Also accepted as an integer tensor: one tensor is cheaper to flatten and store than
+        # 625 JSON leaves (the Checkpointer packs it so).
+        words = [int(w) for w in words.tolist()]
     if not isinstance(version, int) or not isinstance(words, list | tuple):
         raise RngError(f"RNG state 'python' needs an int 'version' and a list 'state': {fix}")
     if len(words) != _MT_KEYS + 1 or not all(
@@ -176,6 +180,10 @@ def _check_python(value: Any) -> tuple[int, tuple[int, ...], float | None]:
     if gauss is not None and not (isinstance(gauss, float | int) and math.isfinite(gauss)):
         raise RngError(f"RNG state 'python.gauss_next' must be a finite float or null: {fix}")
     return version, tuple(words), None if gauss is None else float(gauss)
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _check_numpy(value: Any) -> tuple[str, np.ndarray[Any, Any], int, int, float]:
@@ -188,7 +196,7 @@ def _check_numpy(value: Any) -> tuple[str, np.ndarray[Any, Any], int, int, float
         raise RngError(f"RNG state 'numpy.bit_generator' must be 'MT19937', got {name!r}: {fix}")
     if not isinstance(keys, torch.Tensor) or keys.shape != (_MT_KEYS,):
         raise RngError(f"RNG state 'numpy.keys' must be a tensor of {_MT_KEYS} words: {fix}")
-    if keys.dtype.is_floating_point or keys.dtype.is_complex or keys.dtype == torch.bool:
+    if not _is_integer(keys.dtype):
         raise RngError(f"RNG state 'numpy.keys' must hold integers, got {keys.dtype}: {fix}")
     # Storage may widen the dtype (uint32 -> int64); the values are what matter.
     words = keys.detach().to("cpu", torch.int64)

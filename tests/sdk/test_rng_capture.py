@@ -218,3 +218,13 @@ def test_mix_seed_is_stable_and_keeps_nearby_inputs_apart() -> None:
     assert rng.mix_seed(-1) == rng.mix_seed(2**64 - 1)
     assert 0 <= rng.mix_seed(5, 6, 7) < 2**64
     assert rng.mix_seed(0, 0) == 0x93A9BDB51E5D5285
+
+
+def test_python_state_may_come_as_an_integer_tensor() -> None:
+    saved = rng.capture()
+    expected = _draws()
+    packed = torch.tensor(saved["python"]["state"], dtype=torch.int64)
+    rng.restore({**saved, "python": {**saved["python"], "state": packed}})
+    _assert_same(_draws(), expected)
+    with pytest.raises(rng.RngError, match=r"python\.state"):
+        rng.restore({**saved, "python": {**saved["python"], "state": packed[:10]}})
