@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -247,3 +248,15 @@ def test_a_damaged_checkpoint_is_named_and_leaves_no_half_export(tmp_path: Path)
     with pytest.raises(trainer_sdk.errors.CorruptCheckpointError, match=last.file):
         hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=100)
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_export_from_s3(s3_bucket: Any, tmp_path: Path) -> None:
+    """The checkpoint is read over HTTP from an S3 server (moto), the export lands locally."""
+    model = _trained_model()
+    uri = s3_bucket.uri("runs/lm")
+    trainer_sdk.save({"model": model.state_dict(), "optimizer": {"m": torch.ones(4)}}, uri, step=6)
+    info = hf.export_hf(uri, tmp_path / "out", max_shard_size=300)
+    got, shards = _read_export(tmp_path / "out")
+    assert info.step == 6
+    assert len(shards) > 1
+    _assert_equal_state(got, model.state_dict())
