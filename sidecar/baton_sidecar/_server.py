@@ -45,6 +45,7 @@ class TokenFile:
         self.path = path
         self._ident: tuple[int, int, int] | None = None
         self._token = b""
+        self._problem: str | None = None
         self._refresh(startup=True)
 
     def _refresh(self, *, startup: bool = False) -> None:
@@ -60,9 +61,11 @@ class TokenFile:
                     f"cannot read the token file {self.path}: {e.strerror}. Mount the job's "
                     "Secret there or pass --token-file / BATON_SIDECAR_TOKEN_FILE"
                 ) from e
-            log.warning(
-                "cannot re-read the token file %s (%s); keeping the last token", self.path, e
-            )
+            if self._problem != str(e):  # once per problem, not once per request
+                self._problem = str(e)
+                log.warning(
+                    "cannot re-read the token file %s (%s); keeping the last token", self.path, e
+                )
             return
         if not token:
             if startup:
@@ -70,10 +73,11 @@ class TokenFile:
                     f"the token file {self.path} is empty: the Secret's 'token' key needs a value"
                 )
             log.warning("the token file %s is empty now; keeping the last token", self.path)
+            self._ident = ident  # warned once; a rewrite changes the identity again
             return
         if self._ident is not None:
             log.info("the token file %s changed; using the new token", self.path)
-        self._ident, self._token = ident, token
+        self._ident, self._token, self._problem = ident, token, None
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header carries the current token (constant time)."""
