@@ -52,6 +52,8 @@ class Sidecar:
         self._seen_end: tuple[Any, ...] | None = None
         self._seen_committed_step: int | None = None
         self._bad_status: str | None = None
+        self.clouds: list[str] | None = None
+        """The clouds whose notices are watched; ``None`` while auto-detection runs."""
 
     def add_listener(self, listener: StatusListener) -> None:
         """Call ``listener`` for every save that ends from now on."""
@@ -143,6 +145,7 @@ class Sidecar:
             None if status is None else round((utcnow() - status.heartbeat).total_seconds(), 3)
         )
         body["pending_request"] = None if pending is None else pending.to_json()
+        body["clouds"] = self.clouds
         return body
 
     def _status_or_none(self) -> Status | None:

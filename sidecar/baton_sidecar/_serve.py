@@ -77,6 +77,7 @@ async def _run_clouds(
     tasks: list[asyncio.Task[None]],
 ) -> None:
     if config.cloud is Cloud.NONE:
+        sidecar.clouds = []
         log.info("cloud notices off (--cloud none): only the operator asks for checkpoints")
         return
     if config.cloud is Cloud.AUTO:
@@ -87,6 +88,7 @@ async def _run_clouds(
             await asyncio.sleep(min(pause, config.backoff_max))
             clouds = await detect_clouds(config, session)
         if not clouds:
+            sidecar.clouds = []
             log.info(
                 "no cloud metadata endpoint answered; cloud notices off. Set --cloud "
                 "aws|gce|azure to watch one anyway"
@@ -102,6 +104,7 @@ async def _run_clouds(
         )
         return request.id
 
+    sidecar.clouds = [c.value for c in clouds]
     pollers = make_pollers(
         clouds, config=config, session=session, sink=sink, metrics=sidecar.metrics
     )

@@ -369,11 +369,14 @@ class FakeAzure(_FakeServer):
     def add_event(
         self,
         *,
-        not_before: datetime,
+        not_before: datetime | None,
         event_type: str = "Preempt",
         resources: list[str] | None = None,
     ) -> str:
-        """Schedule an event (for this VM unless ``resources`` says otherwise); returns its id."""
+        """Schedule an event (for this VM unless ``resources`` says otherwise); returns its id.
+
+        ``not_before=None`` lists an event that has already started (``NotBefore`` empty).
+        """
         event_id = str(uuid.uuid4()).upper()
         with self._lock:
             self.events.append(
@@ -382,8 +385,10 @@ class FakeAzure(_FakeServer):
                     "EventType": event_type,
                     "ResourceType": "VirtualMachine",
                     "Resources": resources if resources is not None else [self.vm_name],
-                    "EventStatus": "Scheduled",
-                    "NotBefore": format_datetime(not_before.astimezone(UTC), usegmt=True),
+                    "EventStatus": "Scheduled" if not_before is not None else "Started",
+                    "NotBefore": ""
+                    if not_before is None
+                    else format_datetime(not_before.astimezone(UTC), usegmt=True),
                     "Description": "",
                     "EventSource": "Platform",
                     "DurationInSeconds": -1,

@@ -267,6 +267,18 @@ def test_azure_not_acknowledged_when_the_save_failed(
         assert azure.acknowledged == []
 
 
+def test_azure_event_already_started_asks_for_a_save_at_once(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    with FakeAzure() as azure:
+        sc = sidecar_factory(cloud="azure", env={**FAST, "BATON_AZURE_IMDS_ENDPOINT": azure.url})
+        before = utcnow()
+        azure.add_event(not_before=None)
+        request = wait_for(_pending(sc), what="a request from the started event")
+        assert request.deadline is not None
+        assert before < request.deadline <= utcnow() + timedelta(seconds=5)
+
+
 def test_azure_timeouts_and_errors_are_survived(
     sidecar_factory: Callable[..., SidecarProcess],
 ) -> None:
@@ -302,6 +314,7 @@ def test_auto_detects_the_cloud_that_answers(
             },
         )
         wait_for(lambda: "detected cloud(s): gce" in sc.log(), what="GCE detected")
+        assert sc.status().json()["clouds"] == ["gce"]
         wait_for(lambda: gce.count("GET", "/preempted") >= 1, what="GCE polls")
         gce.preempt()
         assert wait_for(_pending(sc), what="a request").source == "gce"
@@ -322,4 +335,4 @@ def test_auto_with_no_cloud_turns_pollers_off(
         },
     )
     wait_for(lambda: "cloud notices off" in sc.log(), timeout=30, what="pollers off")
-    assert sc.status().status_code == 200
+    assert sc.status().json()["clouds"] == []
