@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,14 +247,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             log.flush()
 
+    def batches_forever() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # sampler.track() counts what the loop consumed (exact under prefetching) and starts
+        # each epoch without drawing from the global RNG, as a plain iter(loader) would.
+        while True:
+            yield from sampler.track(loader)
+
     stopped_early = False
-    batches = iter(loader)
+    batches = batches_forever()
     for step in range(start, args.steps):
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            inputs, targets = next(batches)
+        inputs, targets = next(batches)
         model.train()
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
