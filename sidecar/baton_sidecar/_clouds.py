@@ -58,8 +58,6 @@ GCE_PREEMPT_GRACE: Final = timedelta(seconds=30)
 """GCE stops a preempted (spot) VM about 30 s after ``preempted`` turns ``TRUE``."""
 GCE_MAINTENANCE_GRACE: Final = timedelta(seconds=60)
 """``maintenance-event`` changes 60 s before host maintenance begins."""
-AZURE_STARTED_GRACE: Final = timedelta(seconds=5)
-"""An Azure event already ``Started`` has no ``NotBefore``; ask for a save at once."""
 AZURE_API_VERSION: Final = "2020-07-01"
 AZURE_NOTICE_TYPES: Final = frozenset({"Preempt", "Terminate"})
 _BACKOFF_INITIAL: Final = 0.5
@@ -194,10 +192,18 @@ class AwsPoller(Poller):
             notice = json.loads(body)
             action, when = str(notice["action"]), str(notice["time"])
         except (ValueError, KeyError, TypeError) as e:
-            raise PollError(f"spot/instance-action is not {{action, time}} JSON: {body!r}") from e
+            raise PollError(
+                f"spot/instance-action is not {{action, time}} JSON: {body[:200]!r}"
+            ) from e
         if (action, when) in self._notified:
             return
-        deadline = parse_rfc3339(when)
+        try:
+            deadline: datetime | None = parse_rfc3339(when)
+        except ControlError:
+            # An undatable notice still means the instance is going: save at the next step,
+            # without a deadline the SDK could judge too short.
+            log.warning("EC2 spot notice time %r is not RFC 3339; asking for a save now", when)
+            deadline = None
         await self.sink(self.source, deadline, f"EC2 spot interruption: {action} at {when}")
         self._notified.add((action, when))
 
@@ -376,13 +382,18 @@ class AzurePoller(Poller):
         log.info("acknowledged Azure events %s after the checkpoint committed", event_ids)
 
 
-def _azure_not_before(value: object) -> datetime:
+def _azure_not_before(value: object) -> datetime | None:
+    """The event's ``NotBefore``, or ``None`` (save at the next step) when it has none.
+
+    An event already ``Started`` has an empty ``NotBefore``: the VM is going now, and any
+    deadline would be one the SDK must judge too short, so no deadline is given at all.
+    """
     if isinstance(value, str) and value.strip():
         try:
             return parsedate_to_datetime(value)
-        except (TypeError, ValueError) as e:
-            raise PollError(f"Azure NotBefore {value!r} is not an RFC 1123 date") from e
-    return utcnow() + AZURE_STARTED_GRACE
+        except (TypeError, ValueError):
+            log.warning("Azure NotBefore %r is not an RFC 1123 date; asking for a save now", value)
+    return None
 
 
 def _describe(error: BaseException) -> str:

@@ -217,6 +217,8 @@ class FakeAws(_FakeServer):
         super().__init__(port=port)
         self._tokens: set[str] = set()
         self.notice: dict[str, str] | None = None
+        self.raw_notice: str | None = None
+        """If set, served as the ``instance-action`` body as is (to test malformed answers)."""
 
     def set_notice(self, *, time: datetime, action: str = "terminate") -> None:
         """From now on ``spot/instance-action`` reports an interruption at ``time``."""
@@ -265,7 +267,9 @@ class FakeAws(_FakeServer):
         if fault is not None:
             return fault
         with self._lock:
-            notice = self.notice
+            notice, raw = self.notice, self.raw_notice
+        if raw is not None:
+            return web.Response(text=raw, content_type="text/plain")
         if notice is None:
             return web.Response(status=404, text="Not Found")
         return web.Response(text=json.dumps(notice), content_type="text/plain")
