@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -258,7 +258,10 @@ class Checkpointer:
         )
         self._board = NoticeBoard(sigterm=self._sigterm, poller=poller)
         self._estimator = SaveEstimator()
-        self._last_save_time = time.monotonic()
+        # The clock of the every_seconds policy (only rank 0's reading counts); replaceable
+        # so that tests can drive time.
+        self._clock: Callable[[], float] = time.monotonic
+        self._last_save_time = self._clock()
         self._last_saved_step: int | None = None
         self._last_committed: int | None = None
         self._status = Status(state=State.IDLE)
@@ -343,7 +346,7 @@ class Checkpointer:
         log.info("resumed from step %d of %s", loaded, self.config.uri)
         self._last_saved_step = loaded
         self._last_committed = loaded
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
         self._update_status(last_committed_step=loaded)
         return loaded
 
@@ -360,7 +363,7 @@ class Checkpointer:
         bg_failed = handle is not None and handle.exception() is not None
         due_seconds = (
             self.config.every_seconds is not None
-            and time.monotonic() - self._last_save_time >= self.config.every_seconds
+            and self._clock() - self._last_save_time >= self.config.every_seconds
         )
         agreement: Agreement | None = None
         local: LocalNotice | None = None
@@ -531,7 +534,7 @@ class Checkpointer:
     ) -> api.SaveInfo | None:
         """Save ``step``; returns what the save did, or None when it runs in the background."""
         start = time.perf_counter()
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
         self._last_saved_step = step
         if background:
             assert self._saver is not None

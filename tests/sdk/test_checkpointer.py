@@ -395,3 +395,18 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_skipped(tmp_pat
     ):
         ck.restore()
     assert api.list_steps(str(tmp_path)) == [1, 2]
+
+
+def test_every_seconds_saves_by_the_clock(tmp_path: Path) -> None:
+    model, opt = _model()
+    now = [1000.0]
+    with Checkpointer(
+        str(tmp_path), model=model, optimizer=opt, every_seconds=60, keep_last=10
+    ) as ck:
+        ck._clock = lambda: now[0]
+        ck._last_save_time = now[0]
+        for step in range(1, 8):
+            _train(model, opt)
+            now[0] += 25.0  # 25 s per step: due at 75 s (step 3), then at 150 s (step 6)
+            ck.step(step)
+    assert api.list_steps(str(tmp_path)) == [3, 6]
