@@ -83,16 +83,16 @@ def build_localcluster(*, echo: bool = True) -> Path:
     """
     if not BUILD_SCRIPT.exists():
         raise LocalClusterError(f"{BUILD_SCRIPT} is missing: run from a full checkout")
-    proc = subprocess.Popen(
-        [str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
     lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line.rstrip("\n"))
-        if echo:
-            print(line, end="", file=sys.stderr, flush=True)
-    if proc.wait() != 0 or not lines:
+    with subprocess.Popen(
+        [str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if echo:
+                print(line, end="", file=sys.stderr, flush=True)
+    if proc.returncode != 0 or not lines:
         tail = "\n".join(lines[-30:])
         raise LocalClusterError(
             f"{BUILD_SCRIPT} failed (exit {proc.returncode}); install Go 1.26+ and check:\n{tail}"
@@ -127,7 +127,9 @@ def _read_environ(pid: int) -> dict[str, str]:
 
 def _read_cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return ""
 

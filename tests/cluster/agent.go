@@ -43,21 +43,20 @@ const (
 )
 
 type agent struct {
-	c          *cluster
-	name       string
-	spot       bool
-	client     *kubernetes.Clientset
-	ctx        context.Context
-	cancel     context.CancelFunc
-	port       int
-	listener   net.Listener
-	mu         sync.Mutex
-	workers    map[types.UID]*podWorker
-	dead       atomic.Bool
-	shutdown   atomic.Bool // graceful node shutdown in progress (no new pods start)
-	nodeUID    types.UID
-	logf       func(string, ...any)
-	notReadyCh chan struct{}
+	c        *cluster
+	name     string
+	spot     bool
+	client   *kubernetes.Clientset
+	ctx      context.Context
+	cancel   context.CancelFunc
+	port     int
+	listener net.Listener
+	mu       sync.Mutex
+	workers  map[types.UID]*podWorker
+	dead     atomic.Bool
+	shutdown atomic.Bool // graceful node shutdown in progress (no new pods start)
+	nodeUID  types.UID
+	logf     func(string, ...any)
 }
 
 func newAgent(c *cluster, name string, spot bool) (*agent, error) {
@@ -224,10 +223,14 @@ func (a *agent) run() {
 
 func (a *agent) onPod(obj any, deleted bool) {
 	pod, ok := obj.(*corev1.Pod)
-	if !ok || a.dead.Load() {
+	if !ok {
 		return
 	}
 	a.mu.Lock()
+	if a.dead.Load() {
+		a.mu.Unlock()
+		return
+	}
 	w, exists := a.workers[pod.UID]
 	if !exists && !deleted {
 		if pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
@@ -326,14 +329,17 @@ func (a *agent) statusLoop() {
 // killAll is the abrupt end of the machine: heartbeat stops and every process gets SIGKILL
 // (after sigtermFirst, if non-zero, of SIGTERM, for a clean `up` shutdown). No API writes follow.
 func (a *agent) killAll(sigtermFirst time.Duration) {
-	a.dead.Store(true)
-	a.cancel()
+	// Snapshot the workers before cancelling: a cancelled worker removes itself from the map,
+	// and its processes must still be killed. onPod checks dead under the same lock, so no
+	// worker is added after the snapshot.
 	a.mu.Lock()
+	a.dead.Store(true)
 	workers := make([]*podWorker, 0, len(a.workers))
 	for _, w := range a.workers {
 		workers = append(workers, w)
 	}
 	a.mu.Unlock()
+	a.cancel()
 	if sigtermFirst > 0 {
 		for _, w := range workers {
 			w.signalAll(sigterm)

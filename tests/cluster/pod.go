@@ -4,16 +4,15 @@ package main
 // status the way the kubelet does. The image field is ignored: the command runs on the host.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"reflect"
 	"sort"
 	"strconv"
 	"strings"
@@ -1425,7 +1424,7 @@ func (w *podWorker) pushStatus() {
 		w.logf("status: %v", err)
 		return
 	}
-	if reflect.DeepEqual(body, w.lastPushed) {
+	if bytes.Equal(body, w.lastPushed) {
 		return
 	}
 	_, err = w.a.client.CoreV1().Pods(p.Namespace).Patch(w.a.ctx, p.Name, types.StrategicMergePatchType, body, metav1.PatchOptions{}, "status")

@@ -100,6 +100,7 @@ def pod_phase(core: client.CoreV1Api, ns: str, name: str, *phases: str) -> dict[
 SLEEPER = """
     import signal, time
     signal.signal(signal.SIGTERM, lambda *_: None)  # a job that will not stop on SIGTERM
+    print("armed", flush=True)
     while True:
         time.sleep(1)
 """
@@ -384,7 +385,8 @@ def test_pod_violating_restricted_is_rejected(core: client.CoreV1Api, namespace:
             namespace, build(client.V1Pod.from_dict, pod_manifest("priv", [privileged]))
         )
     assert info.value.status == 403
-    assert 'violates PodSecurity "restricted:latest"' in str(info.value.body)
+    message = json.loads(str(info.value.body))["message"]
+    assert 'violates PodSecurity "restricted:latest": privileged' in message
 
     # The same namespace admits a pod that meets the profile, so the rejection is the policy's.
     compliant = python_container("main", "pass") | {
@@ -451,7 +453,9 @@ def test_deleting_owner_garbage_collects_owned_pods(
     assert all(not local_cluster.pod_processes(uid) for uid in uids)
 
 
-def run_pinned_sleeper(core: client.CoreV1Api, ns: str, name: str, node: str) -> dict[str, Any]:
+def run_pinned_sleeper(
+    cluster: LocalCluster, core: client.CoreV1Api, ns: str, name: str, node: str
+) -> dict[str, Any]:
     manifest = pod_manifest(
         name,
         [python_container("main", SLEEPER)],
@@ -459,14 +463,20 @@ def run_pinned_sleeper(core: client.CoreV1Api, ns: str, name: str, node: str) ->
         terminationGracePeriodSeconds=300,
     )
     core.create_namespaced_pod(ns, build(client.V1Pod.from_dict, manifest))
-    return wait_for(f"{name} to run on {node}", lambda: pod_phase(core, ns, name, "Running"))
+    pod = wait_for(f"{name} to run on {node}", lambda: pod_phase(core, ns, name, "Running"))
+    # Only once the SIGTERM handler is installed does the pod stand for a stubborn job.
+    wait_for(
+        f"{name} to ignore SIGTERM",
+        lambda: "armed" in cluster.kubectl("logs", "-n", ns, name, check=False).stdout,
+    )
+    return pod
 
 
 def test_aws_preemption_taints_then_kills_the_node(
     local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
 ) -> None:
     node = local_cluster.add_node(spot=True)
-    pod = run_pinned_sleeper(core, namespace, "victim", node)
+    pod = run_pinned_sleeper(local_cluster, core, namespace, "victim", node)
     uid = pod["metadata"]["uid"]
     assert pod["spec"]["nodeName"] == node
     assert local_cluster.pod_processes(uid)
@@ -511,7 +521,7 @@ def test_kill_node_leads_to_not_ready_and_eviction(
     local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
 ) -> None:
     node = local_cluster.add_node()
-    pod = run_pinned_sleeper(core, namespace, "stranded", node)
+    pod = run_pinned_sleeper(local_cluster, core, namespace, "stranded", node)
     uid = pod["metadata"]["uid"]
     local_cluster.kill_node(node)
     wait_for(
