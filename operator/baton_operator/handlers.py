@@ -35,6 +35,7 @@ _ANNOTATION_PREFIX = "baton.dev"
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """Apply ``config`` to kopf's settings (also used by the tests to check them)."""
     # Watches stall silently without both timeouts (kopf#955, #957, #585).
+    # Whole seconds: the API server refuses timeoutSeconds=60.0 (strconv.ParseInt).
     settings.watching.server_timeout = config.watch_server_timeout_seconds
     settings.watching.client_timeout = config.watch_client_timeout_seconds
     settings.watching.connect_timeout = config.watch_connect_timeout_seconds
@@ -68,6 +69,27 @@ def _config(memo: Mapping[str, Any]) -> OperatorConfig:
     if not isinstance(config, OperatorConfig):
         raise kopf.PermanentError("baton-operator started without its config in the memo")
     return config
+
+
+@kopf.on.login()
+def _login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    # The same credentials as the operator's own API client (kube.py), loaded when needed:
+    # kopf's default login reads $KUBECONFIG through a module constant fixed at import time,
+    # and its own kubeconfig parser ignores tokenFile (projected ServiceAccount tokens).
+    c = kube_mod.load_configuration(_config(memo).kubeconfig)
+    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization")
+    scheme, _sep, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=c.host,
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        username=c.username or None,
+        password=c.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+    )
 
 
 @kopf.on.startup()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final, ParamSpec, TypeVar, cast
@@ -24,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from . import crd
 from .errors import KubeError
 
-__all__ = ["PERMISSIONS", "Kube", "Permission", "load_client"]
+__all__ = ["PERMISSIONS", "Kube", "Permission", "load_client", "load_configuration"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -65,6 +66,12 @@ def _needs(
 
 def load_client(kubeconfig: str | None = None) -> Any:
     """Return a ``kubernetes`` ApiClient from the in-cluster account or a kubeconfig."""
+    return k8s_client.ApiClient(load_configuration(kubeconfig))
+
+
+def load_configuration(kubeconfig: str | None = None) -> Any:
+    """A ``kubernetes`` Configuration: in-cluster when no kubeconfig is given and the pod has
+    a ServiceAccount, else the given kubeconfig (or ``$KUBECONFIG``), read now, not at import."""
     configuration = k8s_client.Configuration()
     try:
         if kubeconfig is None:
@@ -72,8 +79,9 @@ def load_client(kubeconfig: str | None = None) -> Any:
         else:
             raise k8s_config.ConfigException("a kubeconfig was given")
     except k8s_config.ConfigException:
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    return k8s_client.ApiClient(configuration)
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        k8s_config.load_kube_config(config_file=path, client_configuration=configuration)
+    return configuration
 
 
 def _translate(e: ApiException, what: str) -> KubeError:

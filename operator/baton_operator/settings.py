@@ -52,8 +52,9 @@ class OperatorConfig:
     operator calls the node lost): the default 300 s would leave a job idle for five minutes."""
     delete_grace_seconds: int = 30
     """Grace given to an old attempt's pods when they are deleted after a committed save."""
-    watch_server_timeout_seconds: float = 60.0
-    """Server-side watch timeout: without it a watch can stall silently (kopf#955, #957)."""
+    watch_server_timeout_seconds: int = 60
+    """Server-side watch timeout (whole seconds: the API server parses it as an integer);
+    without it a watch can stall silently (kopf#955, #957)."""
     watch_client_timeout_seconds: float = 90.0
     """Client-side timeout of a watch request, a little above the server's."""
     watch_connect_timeout_seconds: float = 10.0

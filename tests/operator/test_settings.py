@@ -17,7 +17,8 @@ def test_kopf_settings_from_config() -> None:
     settings = kopf.OperatorSettings()
     handlers.configure(settings, OperatorConfig(namespaces=("ml",), standalone=True))
     # Both watch timeouts set: unset, a watch can stall silently.
-    assert settings.watching.server_timeout == 60.0
+    assert settings.watching.server_timeout == 60
+    assert isinstance(settings.watching.server_timeout, int), "timeoutSeconds=60.0 is refused"
     assert settings.watching.client_timeout == 90.0
     assert settings.watching.connect_timeout == 10.0
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
