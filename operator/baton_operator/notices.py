@@ -10,7 +10,7 @@ operator saw it, plus the provider's documented grace period (:class:`Graces`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -187,7 +187,14 @@ def pod_notice(pod: Mapping[str, Any], *, now: datetime, graces: Graces) -> Noti
 
 
 def earliest(notices: list[Notice]) -> Notice | None:
-    """The notice to act on: the earliest deadline; ties go to the most specific source."""
+    """The notice to act on: the earliest deadline of all, reported as the most specific one.
+
+    A spot interruption usually arrives as several notices at once (NTH's taint and cordon,
+    then the drain's DisruptionTarget on the pod); the on-call engineer should read "AWS spot
+    interruption", while the save must meet the earliest deadline of them all.
+    """
     if not notices:
         return None
-    return min(notices, key=lambda n: (n.deadline, _SPECIFICITY[n.source]))
+    deadline = min(n.deadline for n in notices)
+    best = min(notices, key=lambda n: (_SPECIFICITY[n.source], n.deadline))
+    return replace(best, deadline=deadline)

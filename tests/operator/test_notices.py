@@ -199,7 +199,27 @@ def test_earliest_deadline_wins() -> None:
     picked = earliest(a + b)
     assert picked is not None
     assert picked.source == "gke"
+    assert picked.deadline == NOW + timedelta(seconds=15)
     assert earliest([]) is None
+
+
+def test_the_most_specific_source_is_reported_with_the_earliest_deadline() -> None:
+    spot = node_notices(
+        node(taints=[{"key": "aws-node-termination-handler/spot-itn"}]), now=NOW, graces=G
+    )
+    evicted = pod_notice(
+        pod(
+            {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"},
+            deletionTimestamp="2026-11-30T04:00:20Z",
+        ),
+        now=NOW,
+        graces=G,
+    )
+    assert evicted is not None
+    picked = earliest([*spot, evicted])
+    assert picked is not None
+    assert picked.source == "aws"
+    assert picked.deadline == NOW + timedelta(seconds=20)
 
 
 def test_graces_reject_negative_values() -> None:
