@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the localcluster binary (control plane + node agents + kubectl, see README.md) into
-# ${BATON_CACHE_DIR:-~/.cache/baton}/localcluster/<hash>/, where <hash> covers go.mod, go.sum
-# and every *.go file here, so a cached binary is reused until the sources change.
+# ${BATON_CACHE_DIR:-~/.cache/baton}/localcluster/<hash>/, where <hash> covers build.sh, go.mod,
+# go.sum and every *.go file here, so a cached binary is reused until any of them changes.
 # The last line of output is the binary's path. A cold build takes 10-25 minutes on 2 cores.
 set -euo pipefail
 
@@ -15,8 +15,18 @@ if ! command -v go >/dev/null 2>&1; then
     exit 1
 fi
 
+# The binaries report the Kubernetes version they are built from (the default is
+# v0.0.0-master, which version checks in kubectl, Helm and clients reject or warn about).
+k8s_version="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' go.mod)"
+minor="$(echo "$k8s_version" | cut -d. -f2)"
+ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=$k8s_version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags+=" -X $pkg.gitTreeState=clean"
+done
+
 hash="$({
-    cat go.mod go.sum
+    cat build.sh go.mod go.sum
     find . -name '*.go' -type f | LC_ALL=C sort | while read -r f; do
         printf '%s\n' "$f"
         cat "$f"
@@ -53,9 +63,10 @@ log="$out_dir/build.log"
 ( while sleep 60; do echo "localcluster: [$(elapsed)] still building ..."; done ) &
 ticker=$!
 trap 'kill "$ticker" 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM  # runs the EXIT trap, so the ticker does not outlive us
 
 status=0
-go build -v -trimpath -ldflags "-s -w" -o "$bin.tmp" . 2>&1 | tee "$log" | {
+go build -v -trimpath -ldflags "$ldflags" -o "$bin.tmp" . 2>&1 | tee "$log" | {
     n=0
     while read -r line; do
         n=$((n + 1))
