@@ -344,3 +344,57 @@ def test_fsdp2_checkpoint_from_2_ranks_loads_on_3(tmp_path: Path) -> None:
     # ranks 0 and 1 get their own RankLocal values; rank 2 did not exist: told, not guessed
     assert [o["rng"] for o in out] == [100, 101, -1]
     assert [o["missing"] for o in out] == [[], [], ["rng"]]
+
+
+# -------------------------------------------------------------- retention and the hint
+
+
+def test_latest_is_only_a_hint_and_never_moves_backwards(tmp_path: Path) -> None:
+    uri = str(tmp_path)
+    trainer_sdk.save({"w": torch.ones(2)}, uri, step=5)
+    trainer_sdk.save({"w": torch.ones(2) * 3}, uri, step=3)  # an older step saved later
+    assert json.loads((tmp_path / "latest").read_text()) == {"step": 5}
+    assert trainer_sdk.list_steps(uri) == [3, 5]
+    trainer_sdk.delete_step(uri, 5)
+    assert not (tmp_path / "step-000000000005").exists()
+    # the hint still says 5; readers check it against the manifests
+    assert json.loads((tmp_path / "latest").read_text()) == {"step": 5}
+    assert trainer_sdk.latest_step(uri) == 3
+    st = {"w": torch.zeros(2)}
+    assert trainer_sdk.load(st, uri).step == 3
+    assert torch.equal(st["w"], torch.ones(2) * 3)
+
+
+def test_cleanup_incomplete_never_touches_a_save_that_may_be_in_progress(tmp_path: Path) -> None:
+    uri = str(tmp_path)
+    (tmp_path / "step-000000000001").mkdir(parents=True)  # crashed before step 2 committed
+    trainer_sdk.save({"w": torch.ones(2)}, uri, step=2)
+    (tmp_path / "step-000000000003").mkdir()  # newer than the newest complete: maybe running
+    assert trainer_sdk.cleanup_incomplete(uri) == ["step-000000000001"]
+    assert (tmp_path / "step-000000000003").exists()
+    assert trainer_sdk.list_steps(uri) == [2]
+
+
+def test_non_contiguous_grad_and_views_are_saved_by_value(tmp_path: Path) -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    state = {"t": base.t(), "slice": base[1:3, 2:5], "param": p}
+    trainer_sdk.save(state, str(tmp_path), step=1)
+    st = {"t": torch.zeros(6, 4), "slice": torch.zeros(2, 3), "param": torch.zeros(3, 3)}
+    trainer_sdk.load(st, str(tmp_path))
+    assert torch.equal(st["t"], base.t())
+    assert torch.equal(st["slice"], base[1:3, 2:5])
+    assert torch.equal(st["param"], p.detach())
+
+
+def test_iter_tensors_yields_whole_tensors_one_at_a_time(tmp_path: Path) -> None:
+    from trainer_sdk.api import iter_tensors
+
+    state = {"a": torch.randn(5, 3), "b": {"c": torch.arange(7)}, "r": RankLocal(torch.ones(2))}
+    trainer_sdk.save(state, str(tmp_path), step=9)
+    got = dict(iter_tensors(str(tmp_path)))
+    assert set(got) == {"a", "b.c"}
+    assert torch.equal(got["a"], state["a"])
+    assert torch.equal(got["b.c"], state["b"]["c"])
+    with_rl = dict(iter_tensors(str(tmp_path), kinds=("replicated", "rank_local")))
+    assert torch.equal(with_rl["r"], torch.ones(2))
