@@ -40,6 +40,8 @@ CHART = ROOT / "charts" / "baton"
 DASHBOARD = ROOT / "deploy" / "grafana" / "baton-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "baton-rules.yaml"
 RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
+# The local cluster has no cloud metadata service: the sidecars need not look for one.
+NO_CLOUD = ("--set", "operator.extraArgs={--sidecar-cloud=none}")
 CRDS = {"trainingjobs.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 
@@ -54,6 +56,27 @@ def _restricted_namespace(cluster: LocalCluster, name: str) -> None:
 
 def _delete_namespace(cluster: LocalCluster, name: str) -> None:
     cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait", timeout=180)
+
+
+def _delete_jobs(cluster: LocalCluster, namespace: str) -> None:
+    """Delete the namespace's TrainingJobs while an operator may still release them.
+
+    Each job carries kopf's finalizer; once the operator is gone nothing removes it, and the
+    namespace would stay Terminating forever. After a bounded wait, the finalizers of jobs
+    that are still there are dropped (the operator that owned them is being removed anyway).
+    """
+    cluster.kubectl("delete", "trainingjobs", "--all", "-n", namespace, "--wait=false", check=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = _json(cluster, "get", "trainingjobs", "-n", namespace)["items"]
+        if not left:
+            return
+        time.sleep(1)
+    for job in left:
+        cluster.kubectl(
+            "patch", "trainingjob", job["metadata"]["name"], "-n", namespace, "--type=merge",
+            "-p", '{"metadata":{"finalizers":null}}', check=False,
+        )  # fmt: skip
 
 
 def _diagnostics(cluster: LocalCluster, namespaces: list[str]) -> str:
@@ -212,6 +235,7 @@ def test_helm_install_runs_a_job_and_uninstall_leaves_only_crds(
             "install", release, str(CHART), "--namespace", ns, "--wait", "--timeout", "5m",
             "--set", f"networkPolicy.namespaces={{{ml}}}",
             "--set", "grafanaDashboard.enabled=true",
+            *NO_CLOUD,
         )  # fmt: skip
         assert installed.returncode == 0, installed.stderr + _diagnostics(cluster, [ns])
         assert "Baton 0.1.0 is installed" in installed.stdout  # NOTES.txt
@@ -234,13 +258,14 @@ def test_helm_install_runs_a_job_and_uninstall_leaves_only_crds(
         # A second install over the CRDs that are still there, told to leave them alone.
         again = run_helm(
             "install", release, str(CHART), "--namespace", ns, "--skip-crds", "--wait",
-            "--timeout", "5m",
+            "--timeout", "5m", *NO_CLOUD,
         )  # fmt: skip
         assert again.returncode == 0, again.stderr
         _wait_operator_ready(cluster, ns, release)
         assert run_helm("uninstall", release, "--namespace", ns, "--wait").returncode == 0
         _wait_no_leftovers(cluster, f"app.kubernetes.io/instance={release}", ns)
     finally:
+        _delete_jobs(cluster, ml)
         run_helm("uninstall", release, "--namespace", ns, "--wait", "--ignore-not-found")
         _delete_namespace(cluster, ml)
         _delete_namespace(cluster, ns)
@@ -267,6 +292,7 @@ def test_kubectl_apply_k_runs_a_job_and_deletes_cleanly(
 
         _run_job_to_success(cluster, _training_job("kustomize-job", ml, tmp_path), ["baton-system"])
     finally:
+        _delete_jobs(cluster, ml)
         # Everything but the CRDs (deleting a CRD deletes every TrainingJob with it).
         for part in ("operator.yaml", "rbac.yaml", "namespace.yaml"):
             cluster.kubectl(
@@ -286,7 +312,7 @@ def test_kubectl_apply_k_runs_a_job_and_deletes_cleanly(
 
 def _helm_install(cluster: LocalCluster, helm: str, release: str, ns: str, *extra: str) -> None:
     command = [helm, "install", release, str(CHART), "--namespace", ns, "--wait"]
-    command += ["--timeout", "5m", "--kubeconfig", str(cluster.kubeconfig), *extra]
+    command += ["--timeout", "5m", "--kubeconfig", str(cluster.kubeconfig), *NO_CLOUD, *extra]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
     assert result.returncode == 0, result.stderr + _diagnostics(cluster, [ns])
 
@@ -414,6 +440,7 @@ def test_prometheus_scrapes_a_preempted_job_and_every_query_runs(
         )
         assert final["phase"] == "Succeeded", _diagnostics(cluster, [ns, ml])
     finally:
+        _delete_jobs(cluster, ml)
         if targets is not None:
             targets.stop()
         uninstall = [helm, "uninstall", release, "-n", ns, "--wait"]
