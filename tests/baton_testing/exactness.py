@@ -10,11 +10,15 @@ from typing import Any
 
 from baton_testing import trainer
 
-__all__ = ["STEPS", "WORLD", "args", "check_exact", "reference", "wait_for_step"]
+__all__ = ["RUN_TIMEOUT", "STEPS", "WORLD", "args", "check_exact", "reference", "wait_for_step"]
 
 STEPS = 30
 WORLD = 2
 _BASE = ["--steps", str(STEPS), "--every-steps", "4", "--samples", "40", "--batch-size", "4"]
+RUN_TIMEOUT = 600.0
+"""Seconds a trainer run may take. A run takes seconds on an idle machine, but on 2 cores
+shared with other work, each process gets a small slice and the start-up (torch imports,
+process groups) alone has taken over two minutes."""
 _cache: dict[str, dict[str, Any]] = {}
 
 
@@ -36,7 +40,7 @@ def _log(tmp: Path, rank: int) -> Path:
 def reference(tmp: Path) -> dict[str, Any]:
     """The uninterrupted run (computed once per session, in ``tmp`` the first time)."""
     if "ref" not in _cache:
-        trainer.run(WORLD, args(tmp), workdir=tmp / "out", timeout=180)
+        trainer.run(WORLD, args(tmp), workdir=tmp / "out", timeout=RUN_TIMEOUT)
         result = json.loads((tmp / "result.json").read_text())
         losses = {r: dict(trainer.read_loss_log(_log(tmp, r))) for r in range(WORLD)}
         assert result["step"] == STEPS
@@ -61,7 +65,9 @@ def check_exact(tmp: Path, ref: dict[str, Any]) -> None:
     assert got["step"] == STEPS
 
 
-def wait_for_step(tmp: Path, step: int, run: trainer.TrainerRun, timeout: float = 120) -> None:
+def wait_for_step(
+    tmp: Path, step: int, run: trainer.TrainerRun, timeout: float = RUN_TIMEOUT
+) -> None:
     """Wait until rank 0 has logged ``step`` (or later); fail if the trainer ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import pytest
 from baton_testing.dist import run_ranks
 
 # Two FSDP2 process groups per test: slow to start on 2 shared cores.
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 
 def _build(seed: int) -> tuple[Any, Any]:

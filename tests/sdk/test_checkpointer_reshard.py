@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 from baton_testing.dist import run_ranks
 
-pytestmark = pytest.mark.e2e  # two process-group start-ups on 2 shared cores
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(1800),
+]  # two process-group start-ups on 2 shared cores
 
 
 def _digest(t: Any) -> str:

