@@ -193,3 +193,31 @@ def test_boxes() -> None:
     assert row_range((2, 0), (2, 3), (4, 3)) == (2, 4)
     assert row_range((2, 1), (2, 2), (4, 3)) is None
     assert row_range((), (), ()) == (0, 1)
+
+
+def _slab(file: str, offset: int, rows: int, begin: int) -> dict[str, Any]:
+    return {
+        "file": file,
+        "name": f"w#rows={offset}:{offset + rows}",
+        "dtype": "F32",
+        "offsets": [offset, 0],
+        "shape": [rows, 2],
+        "begin": begin,
+        "end": begin + rows * 8,
+        "crc32": [1],
+    }
+
+
+def test_row_slabs_must_tile_without_overlap() -> None:
+    f = "rank-00000-of-00001.safetensors"
+    m = _manifest()
+    m["files"][f]["size"] = 100 + 32
+    m["tensors"]["w"]["shape"] = [4, 2]
+    m["tensors"]["w"]["pieces"] = [_slab(f, 0, 2, 100), _slab(f, 2, 2, 116)]
+    assert len(_parse(m).tensors["w"].pieces) == 2
+    m["tensors"]["w"]["pieces"] = [_slab(f, 0, 2, 100), _slab(f, 1, 2, 116)]
+    m["tensors"]["w"]["shape"] = [3, 2]  # same volume as a gap-free tiling, but overlapping
+    m["tensors"]["w"]["pieces"][1]["shape"] = [1, 2]
+    m["tensors"]["w"]["pieces"][1]["end"] = 124
+    with pytest.raises(ManifestError, match="overlap"):
+        _parse(m)
