@@ -322,8 +322,32 @@ class Demo:
             self.cluster.kubectl("create", "namespace", ns)
             self.cluster.kubectl("label", "namespace", ns, RESTRICTED, "--overwrite")
 
+    def _wait_port_free(self, port: int, timeout: float = 300.0) -> None:
+        # The local cluster's pods share the host's network, and the operator listens on
+        # 0.0.0.0:8080 (the contract port): an operator of another local cluster on this machine
+        # would take it, and the probes of ours would be answered by that one.
+        began = time.monotonic()
+        while True:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("0.0.0.0", port))  # what the operator binds
+                    return
+                except OSError:
+                    pass
+            waited = time.monotonic() - began
+            if waited > timeout:
+                raise DemoError(
+                    f"port {port} is still in use after {timeout:.0f}s: the operator needs it on "
+                    f"the host network; stop the other process (ss -ltnp | grep :{port})"
+                )
+            if int(waited) % 15 == 0:
+                say(f"operator: port {port} is in use by another process; waiting ({waited:.0f}s)")
+            time.sleep(1)
+
     def install_operator(self) -> None:
         assert self.cluster is not None
+        self._wait_port_free(8080)
         say(
             f"operator: helm install baton charts/baton -n {OPERATOR_NS} (restricted namespace, "
             "on-demand node)"
@@ -522,7 +546,12 @@ class Demo:
                     pending.last_step_before = step
                 if pending.resumed_step is None and not pending.committed and now - last_print > 2:
                     waited = time.time() - pending.injected_at
-                    say(f"job: waiting for the checkpoint ({waited:.0f}s since the {pending.kind})")
+                    what = (
+                        "the operator to restart the job"
+                        if cfg.kill_node
+                        else "every rank to commit the checkpoint"
+                    )
+                    say(f"job: waiting for {what} ({waited:.0f}s since the {pending.kind})")
                     last_print = now
             if step // 10 != last_step // 10 or (step == cfg.steps and last_step != step):
                 say(f"train: step {step}/{cfg.steps}")
@@ -700,6 +729,11 @@ def plot(demo: Demo, ref_log: list[dict[str, Any]], path: Path) -> None:
             xytext=(-4, -4), textcoords="offset points", ha="right", va="top", color="red",
             fontsize=8,
         )  # fmt: skip
+        if ev.resumed_step is not None and ev.last_step_before > ev.resumed_step:
+            ax.axvspan(
+                ev.resumed_step, ev.last_step_before, color="orange", alpha=0.15,
+                label=f"steps {ev.resumed_step + 1}-{ev.last_step_before} trained twice",
+            )  # fmt: skip
         if ev.resumed_step is not None:
             ax.axvline(ev.resumed_step, color="green", linestyle=":", linewidth=1.2)
             ax.annotate(

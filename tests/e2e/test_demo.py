@@ -35,7 +35,9 @@ def test_aws_notice_is_survived_with_bitwise_equal_weights(tmp_path: Path) -> No
     assert report["failures"] == 0, tail
     (event,) = report["interruptions"]
     assert event["kind"] == "aws notice"
-    assert event["notice_source"] == "aws"
+    # NTH taints and drains at once: the operator acts on whichever deadline comes first, the
+    # node's spot notice or the evicted pod's DisruptionTarget (docs/demo.md).
+    assert event["notice_source"] in ("aws", "disruption-target"), tail
     assert event["checkpoint_trigger"] == "notice"
     assert event["resumed_step"] == event["checkpoint_step"] >= event["at_step"], tail
     assert event["margin_s"] > 0, "the checkpoint was committed after the deadline"
