@@ -24,7 +24,9 @@ def _restarted(status: dict[str, Any]) -> bool:
     return int(status.get("attempt", 0)) >= 1 and status.get("phase") in ("Pending", "Running")
 
 
-def _check_moved_and_exact(baton: Baton, job: str, noticed_node: str, watcher: PodWatcher) -> None:
+def _check_moved_and_exact(
+    baton: Baton, job: str, noticed_node: str, watcher: PodWatcher, said: str
+) -> None:
     at_restart = baton.wait_for(job, _restarted, timeout=120, what="the next attempt")
     last = at_restart.get("lastCheckpoint") or {}
     diag = baton.diagnostics(job)
@@ -46,14 +48,24 @@ def _check_moved_and_exact(baton: Baton, job: str, noticed_node: str, watcher: P
     )
     assert watcher.violations(replicas=2) == []
     events = "\n".join(baton.events(job))
-    assert "EvictionNotice" in events
+    notices = [e for e in baton.events(job) if e.startswith("EvictionNotice")]
+    assert notices, events
+    assert said in notices[0], f"the Event should name the source ({said}): {notices[0]}"
     assert "CheckpointCommitted" in events
 
 
 @pytest.mark.parametrize(
-    ("provider", "rank"), [("aws", 0), ("karpenter", 1), ("gke", 1), ("autoscaler", 0)]
+    ("provider", "rank", "said"),
+    [
+        ("aws", 0, "AWS Node Termination Handler: spot interruption notice"),
+        ("karpenter", 1, "Karpenter is disrupting the node"),
+        ("gke", 1, "GKE: impending node termination"),
+        ("autoscaler", 0, "cluster autoscaler is removing the node"),
+    ],
 )
-def test_node_notice_checkpoints_and_moves_the_job(baton: Baton, provider: str, rank: int) -> None:
+def test_node_notice_checkpoints_and_moves_the_job(
+    baton: Baton, provider: str, rank: int, said: str
+) -> None:
     baton.cluster.add_node()  # replaces the node this test takes away
     job = unique(f"tj-{provider}")
     baton.submit(job, steps=STEPS, every_steps=5, sleep=0.3)
@@ -62,7 +74,7 @@ def test_node_notice_checkpoints_and_moves_the_job(baton: Baton, provider: str, 
     baton.wait_steps(job, 8)
     node = baton.node_of(job, rank)
     baton.cluster.preempt(node, provider=provider, grace_s=30)  # type: ignore[arg-type]
-    _check_moved_and_exact(baton, job, node, watcher)
+    _check_moved_and_exact(baton, job, node, watcher, said)
     baton.delete(job)
 
 
@@ -86,5 +98,5 @@ def test_pod_disruption_target_checkpoints_and_moves_the_job(baton: Baton) -> No
         NAMESPACE,
         kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod)),
     )
-    _check_moved_and_exact(baton, job, node, watcher)
+    _check_moved_and_exact(baton, job, node, watcher, "pod disruption: EvictionByEvictionAPI")
     baton.delete(job)
