@@ -519,14 +519,19 @@ class Demo:
             targets = [t - t % cfg.every_steps + cfg.every_steps // 2 for t in targets]
         began = time.monotonic()
         last_phase, last_step, last_print = "", -1, 0.0
+        last_ok = time.monotonic()
         status: dict[str, Any] = {}
         while True:
             if time.monotonic() - began > cfg.timeout:
                 raise DemoError(
                     f"the job did not finish within {cfg.timeout:.0f}s\n{self.diagnostics()}"
                 )
-            with contextlib.suppress(kubernetes.client.ApiException):
+            try:
                 status = self.status()
+                last_ok = time.monotonic()
+            except Exception as e:  # the API server restarting, a dropped connection
+                if time.monotonic() - last_ok > 30:
+                    raise DemoError(f"the API server has not answered for 30s: {e}") from e
             phase = str(status.get("phase", "Pending"))
             attempt = int(status.get("attempt", 0))
             step = self.steps_done()
