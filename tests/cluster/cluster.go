@@ -67,6 +67,8 @@ type cluster struct {
 	logf        func(format string, args ...any)
 	shutdownMu  sync.Mutex
 	controlSock string
+	ipBlock     int
+	ipLock      *os.File
 }
 
 func freePort() (int, error) {
@@ -86,16 +88,39 @@ func mustFreePort() int {
 	return p
 }
 
-// allocatePodIP hands out distinct loopback addresses 127.0.x.y with x >= 1, so a pod IP is
-// never 127.0.0.1. Linux routes all of 127/8 to the loopback device, so processes can bind them.
+// allocatePodIP hands out distinct loopback addresses 127.B.x.y from this cluster's block B
+// (B >= 1, so a pod IP is never 127.0.0.1). Linux routes all of 127/8 to the loopback device,
+// so processes can bind them.
 func (c *cluster) allocatePodIP() string {
 	c.ipMu.Lock()
 	defer c.ipMu.Unlock()
 	n := c.nextIP
 	c.nextIP++
-	x := 1 + (n/254)%250
+	x := (n / 254) % 254
 	y := 1 + n%254
-	return fmt.Sprintf("127.0.%d.%d", x, y)
+	return fmt.Sprintf("127.%d.%d.%d", c.ipBlock, x, y)
+}
+
+// claimIPBlock picks a /16 of 127/8 that no other cluster on this machine uses. Loopback
+// addresses are machine-wide, so two clusters handing out the same pod IP would collide on
+// ports; an flock held for the life of this process reserves the block.
+func (c *cluster) claimIPBlock() error {
+	start := int(time.Now().UnixNano() % 254)
+	for i := 0; i < 254; i++ {
+		b := 1 + (start+i)%254
+		path := filepath.Join(os.TempDir(), fmt.Sprintf("localcluster-ipblock-%d.lock", b))
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o666)
+		if err != nil {
+			return err
+		}
+		if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+			f.Close()
+			continue
+		}
+		c.ipBlock, c.ipLock = b, f // kept open: closing would release the lock
+		return nil
+	}
+	return errors.New("all 254 pod IP blocks of 127/8 are in use by other localclusters")
 }
 
 func (c *cluster) startChild(name string, args ...string) (*child, error) {
@@ -203,6 +228,9 @@ func up(cfg upConfig, logf func(string, ...any)) error {
 		}
 	}()
 	defer c.shutdown()
+	if err := c.claimIPBlock(); err != nil {
+		return err
+	}
 	if err := c.startControlPlane(); err != nil {
 		return err
 	}

@@ -1403,8 +1403,22 @@ func (w *podWorker) pushStatus() {
 		conds = append(conds, w.condition(corev1.DisruptionTarget, true, corev1.PodReasonTerminationByKubelet,
 			"Pod was terminated in response to imminent node shutdown."))
 	}
+	// Strategic merge keeps fields a patch omits, so stale reasons and messages are cleared
+	// with explicit nulls.
+	condPatch := make([]map[string]any, 0, len(conds))
+	for _, c := range conds {
+		m := map[string]any{"type": c.Type, "status": c.Status, "lastTransitionTime": c.LastTransitionTime, "reason": nil, "message": nil}
+		if c.Reason != "" {
+			m["reason"] = c.Reason
+		}
+		if c.Message != "" {
+			m["message"] = c.Message
+		}
+		condPatch = append(condPatch, m)
+	}
 	st["phase"] = phase
-	st["conditions"] = conds
+	st["conditions"] = condPatch
+	st["reason"], st["message"] = nil, nil
 	st["podIP"] = w.podIP
 	st["podIPs"] = []corev1.PodIP{{IP: w.podIP}}
 	st["hostIP"] = "127.0.0.1"

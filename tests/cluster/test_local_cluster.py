@@ -7,6 +7,7 @@ nodes add fresh ones first, so the shared nodes stay healthy for later tests.
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 import time
 import uuid
@@ -561,3 +562,122 @@ def test_kill_node_leads_to_not_ready_and_eviction(
     assert disruption
     assert disruption[0]["reason"] == "DeletionByTaintManager"
     assert node in node_names(core)  # the Node stays: no cloud removed it
+
+
+def test_init_container_native_sidecar_and_on_failure_restart(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    # The init container writes through the volume's host directory (processes cannot see
+    # mounts); the main container fails once, is restarted (OnFailure), then succeeds; the
+    # sidecar serves HTTP on the pod IP, is ready through an httpGet probe, and is stopped
+    # after the main container.
+    shared = [{"name": "shared", "mountPath": "/shared"}]
+    # Pods share the host's ports: a process elsewhere listening on 0.0.0.0:<port> blocks the
+    # pod IP's <port> too, so take one that is free now.
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        port = probe.getsockname()[1]
+    init = python_container(
+        "init", "import os; open(os.environ['LOCALCLUSTER_VOLUME_SHARED'] + '/init', 'w')"
+    ) | {"volumeMounts": shared}
+    sidecar = python_container(
+        "sidecar",
+        """
+        import http.server, os
+        addr = (os.environ["POD_IP"], int(os.environ["PORT"]))
+        http.server.HTTPServer(addr, http.server.SimpleHTTPRequestHandler).serve_forever()
+        """,
+    ) | {
+        "restartPolicy": "Always",
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "PORT", "value": str(port)},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/", "port": port}, "periodSeconds": 1},
+    }
+    main = python_container(
+        "main",
+        """
+        import os, sys, time
+        d = sys.argv[1]
+        assert os.path.exists(d + "/init")
+        runs = len(os.listdir(d))
+        open(f"{d}/run{runs}", "w")
+        print("run", runs, flush=True)
+        if runs == 1:
+            sys.exit(1)
+        time.sleep(4)  # long enough for the test to see the pod Ready
+        """,
+    ) | {"args": ["/shared"], "volumeMounts": shared}
+    manifest = pod_manifest(
+        "sidecar",
+        [main],
+        initContainers=[init, sidecar],
+        restartPolicy="OnFailure",
+        volumes=[{"name": "shared", "emptyDir": {}}],
+    )
+    core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+
+    def all_ready() -> dict[str, Any] | None:
+        pod = pod_phase(core, namespace, "sidecar", "Running")
+        ready = pod and {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        return pod if ready and ready["Ready"] == "True" else None
+
+    wait_for("the pod to be Ready with its sidecar", all_ready, timeout=30)
+    pod = wait_for(
+        "the pod to succeed", lambda: pod_phase(core, namespace, "sidecar", "Succeeded", "Failed")
+    )
+    status = pod["status"]
+    assert status["phase"] == "Succeeded"
+    main_status = status["containerStatuses"][0]
+    assert main_status["restartCount"] == 1
+    assert main_status["lastState"]["terminated"]["exitCode"] == 1
+    assert main_status["state"]["terminated"]["exitCode"] == 0
+    init_status, sidecar_status = status["initContainerStatuses"]
+    assert init_status["state"]["terminated"]["exitCode"] == 0
+    sidecar_end = sidecar_status["state"]["terminated"]
+    assert sidecar_end["signal"] == 15  # stopped with SIGTERM once main was done
+    assert sidecar_end["finishedAt"] >= main_status["state"]["terminated"]["finishedAt"]
+    previous = local_cluster.kubectl("logs", "-n", namespace, "sidecar", "-c", "main", "--previous")
+    assert previous.stdout.strip() == "run 1"
+    assert local_cluster.kubectl(
+        "logs", "-n", namespace, "sidecar", "-c", "main"
+    ).stdout.strip() == ("run 2")
+
+
+def test_gke_preemption_shuts_pods_down_on_the_node(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node = local_cluster.add_node(spot=True)
+    graceful = python_container(
+        "main",
+        """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        print("armed", flush=True)
+        while True:
+            time.sleep(1)
+        """,
+    )
+    manifest = pod_manifest("gke", [graceful], nodeSelector={"kubernetes.io/hostname": node})
+    core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    wait_for(
+        "the pod to run",
+        lambda: (
+            pod_phase(core, namespace, "gke", "Running")
+            and "armed" in local_cluster.kubectl("logs", "-n", namespace, "gke", check=False).stdout
+        ),
+    )
+    local_cluster.preempt(node, provider="gke", grace_s=4)
+    taints = read_node(core, node)["spec"]["taints"]
+    assert {"key": "cloud.google.com/impending-node-termination", "effect": "NoSchedule"} in [
+        {"key": t["key"], "effect": t["effect"]} for t in taints
+    ]
+    # The kubelet's graceful node shutdown: SIGTERM, then the pod ends Failed, marked as a
+    # disruption, and stays in the API until the node is gone.
+    pod = wait_for("the pod to be shut down", lambda: pod_phase(core, namespace, "gke", "Failed"))
+    assert pod["status"]["reason"] == "Terminated"
+    disruption = [c for c in pod["status"]["conditions"] if c["type"] == "DisruptionTarget"]
+    assert disruption[0]["reason"] == "TerminationByKubelet"
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    wait_for("the Node object to be removed", lambda: node not in node_names(core), timeout=15)
