@@ -4,7 +4,8 @@
     python -m trainer_sdk inspect URI [--step N]  one manifest in human form
     python -m trainer_sdk verify URI [--step N]   every file's size and sha256 (progress on
                                                   stderr); exit status 1 on any corruption
-    python -m trainer_sdk export-hf URI OUT [--step N] [--max-shard-size 5GB]
+    python -m trainer_sdk export-hf URI OUT [--step N] [--max-shard-size 5GB] [--prefix P]
+                                  [--overwrite]
 
 ``ls``, ``inspect`` and ``verify`` do not import torch, so they start fast on any machine that
 can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found.
@@ -179,16 +180,6 @@ def cmd_verify(storage: Storage, step: int | None, out: TextIO, err: TextIO) -> 
     return 0
 
 
-def cmd_export_hf(
-    uri: str, out_dir: str, step: int | None, max_shard_size: str, out: TextIO
-) -> int:
-    from trainer_sdk import hf
-
-    result = hf.export_hf(uri, out_dir, step=step, max_shard_size=max_shard_size)
-    print(f"exported to {out_dir}: {result}", file=out)
-    return 0
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer_sdk", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -198,11 +189,26 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("uri")
         sp.add_argument("--step", type=int, default=None, help="default: newest complete step")
-    ex = sub.add_parser("export-hf", help="write consolidated Hugging Face safetensors shards")
-    ex.add_argument("uri")
-    ex.add_argument("out_dir")
-    ex.add_argument("--step", type=int, default=None)
-    ex.add_argument("--max-shard-size", default="5GB")
+    # Defined here, not in hf.py, so that building the parser never imports torch.
+    ex = sub.add_parser(
+        "export-hf",
+        help="write a checkpoint's model weights as Hugging Face safetensors",
+        description=(
+            "Consolidate the model weights of a checkpoint (any world size) into "
+            "model.safetensors, or model-0000i-of-0000N.safetensors shards plus "
+            "model.safetensors.index.json."
+        ),
+    )
+    ex.add_argument("uri", help="checkpoint root: a path, file:// or s3://")
+    ex.add_argument("out", help="output directory (created if missing)")
+    ex.add_argument("--step", type=int, default=None, help="step (default: newest complete)")
+    ex.add_argument(
+        "--max-shard-size", default="5GB", help="bytes per file: '5GB', '2GiB', or an int"
+    )
+    ex.add_argument(
+        "--prefix", default="model.", help="key prefix of the model's tensors (stripped)"
+    )
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing export")
     return p
 
 
@@ -211,9 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
     try:
         if args.cmd == "export-hf":
-            return cmd_export_hf(
-                args.uri, args.out_dir, step=args.step, max_shard_size=args.max_shard_size, out=out
-            )
+            from trainer_sdk import hf  # torch only for this sub-command
+
+            return hf.run_export_hf(args)
         storage = open_storage(args.uri)
         if args.cmd == "ls":
             return cmd_ls(storage, out)

@@ -42,7 +42,6 @@ __all__ = [
     "DEFAULT_PREFIX",
     "ExportInfo",
     "HfExportError",
-    "add_export_hf_parser",
     "export_hf",
     "parse_size",
     "run_export_hf",
@@ -317,36 +316,11 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------- CLI
 
 
-def add_export_hf_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``export-hf`` to the ``python -m trainer_sdk`` sub-commands (``cli.py`` calls this).
-
-    Sets ``func=run_export_hf`` on the parsed namespace.
-    """
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "export-hf",
-        help="write a checkpoint's model weights as Hugging Face safetensors",
-        description=(
-            "Consolidate the model weights of a checkpoint (any world size) into "
-            "model.safetensors, or model-0000i-of-0000N.safetensors shards plus "
-            "model.safetensors.index.json."
-        ),
-    )
-    parser.add_argument("uri", help="checkpoint root: a path, file:// or s3://")
-    parser.add_argument("out", help="output directory (created if missing)")
-    parser.add_argument("--step", type=int, default=None, help="step (default: newest complete)")
-    parser.add_argument(
-        "--max-shard-size", default="5GB", help="bytes per file: '5GB', '2GiB', or an int"
-    )
-    parser.add_argument(
-        "--prefix", default=DEFAULT_PREFIX, help="key prefix of the model's tensors (stripped)"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
-    parser.set_defaults(func=run_export_hf)
-    return parser
-
-
 def run_export_hf(args: argparse.Namespace) -> int:
-    """Run ``export-hf`` from parsed arguments; prints progress to stderr. Returns the exit code."""
+    """Run ``python -m trainer_sdk export-hf`` (``cli.py`` parses the arguments).
+
+    Prints progress to stderr and a summary to stdout; returns the exit code.
+    """
     size: int | str = args.max_shard_size
     if isinstance(size, str) and size.strip().isdigit():
         size = int(size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -15,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import trainer_sdk
-from trainer_sdk import hf
+from trainer_sdk import cli, hf
 
 
 class TinyLM(torch.nn.Module):
@@ -156,19 +155,18 @@ def test_the_cli_entry_exports_and_reports(
 ) -> None:
     model = _trained_model()
     trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=4)
-    parser = argparse.ArgumentParser(prog="python -m trainer_sdk")
-    hf.add_export_hf_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "out"
-    args = parser.parse_args(
-        ["export-hf", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "300", "--step", "4"]
-    )
-    assert args.func(args) == 0
+    argv = ["export-hf", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "300"]
+    assert cli.main([*argv, "--step", "4"]) == 0
     captured = capsys.readouterr()
     assert re.search(r"exported step 4: \d+ tensors", captured.out)
     assert "MiB" in captured.err
     _assert_equal_state(_read_export(out)[0], model.state_dict())
-    args = parser.parse_args(["export-hf", str(tmp_path / "nothing"), str(tmp_path / "o2")])
-    assert args.func(args) == 1
+    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out)]) == 1  # already exported
+    assert "overwrite" in capsys.readouterr().err
+    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert cli.main(["export-hf", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
