@@ -86,10 +86,12 @@ def _diagnostics(cluster: LocalCluster, namespaces: list[str]) -> str:
             result = cluster.kubectl("get", what, "-n", ns, "-o", "wide", check=False)
             out.append(f"--- {what} in {ns}:\n{result.stdout}{result.stderr}")
         logs = cluster.kubectl(
-            "logs", "-n", ns, "-l", "app.kubernetes.io/component=operator", "--tail=60",
+            "logs", "-n", ns, "-l", "app.kubernetes.io/component=operator", "--tail=2000",
             check=False,
         )  # fmt: skip
-        out.append(f"--- operator logs in {ns}:\n{logs.stdout}{logs.stderr}")
+        # The probes' access log lines would hide everything else.
+        lines = [line for line in logs.stdout.splitlines() if "aiohttp.access" not in line]
+        out.append(f"--- operator logs in {ns}:\n" + "\n".join(lines[-80:]) + logs.stderr)
     return "\n".join(out)
 
 
