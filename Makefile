@@ -27,10 +27,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
 	@touch $@
 
-## Native parts the tests need: the local Kubernetes cluster (Go), cached by content hash.
+## What the tests need beyond Python: the local Kubernetes cluster and Helm (both built from
+## Go modules, cached by content hash), and Debian's Prometheus (server + promtool).
 build: venv
-	@if [ -x tests/cluster/build.sh ]; then tests/cluster/build.sh; fi
-	@if [ -x tools/helm/build.sh ]; then tools/helm/build.sh; fi
+	tests/cluster/build.sh
+	tools/helm/build.sh
+	tools/prometheus.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .
