@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import kubernetes.client  # noqa: E402
+import kubernetes.watch  # noqa: E402
 import yaml  # noqa: E402
 from baton_testing.cluster import (  # noqa: E402
     ClusterConfig,
@@ -229,6 +230,8 @@ class Demo:
         self._threads: list[threading.Thread] = []
         self._binary = Path()
         self.saved_events: list[str] = []
+        self._notices: dict[float, dict[str, Any]] = {}
+        self._stop = threading.Event()
 
     # -- setup
 
@@ -508,6 +511,9 @@ class Demo:
         assert self.cluster is not None
         cfg = self.cfg
         self.loss_log.unlink(missing_ok=True)
+        watcher = threading.Thread(target=self._watch_notices, daemon=True)
+        watcher.start()
+        self._threads.append(watcher)
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
         say(f"job: TrainingJob {JOB_NS}/{JOB} applied (2 replicas, {cfg.steps} steps)")
         targets = [
@@ -543,8 +549,6 @@ class Demo:
                 last_phase = phase
             pending = self.interruptions[-1] if self.interruptions else None
             if pending is not None:
-                if status.get("notice") and not pending.notice:
-                    pending.notice = dict(status["notice"])
                 last = status.get("lastCheckpoint") or {}
                 if attempt >= len(self.interruptions) and not pending.committed:
                     pending.committed = dict(last)
@@ -571,7 +575,31 @@ class Demo:
         self.final_status = status
         for event in self.interruptions:
             self._fill_resume(event)
+            # The first notice the operator recorded after this interruption was injected.
+            seen = [n for t, n in sorted(self._notices.items()) if t >= event.injected_at - 5]
+            if seen:
+                event.notice = seen[0]
         return status
+
+    def _watch_notices(self) -> None:
+        # status.notice lives only while the job is Checkpointing (often under a second), and
+        # the restart clears it: a watch sees every status the operator wrote, a poll may not.
+        assert self.cluster is not None
+        api = kubernetes.client.CustomObjectsApi(self.cluster.api)
+        while not self._stop.is_set():
+            try:
+                watch = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
+                stream = watch.stream(  # type: ignore[no-untyped-call]
+                    api.list_namespaced_custom_object, GROUP, VERSION, JOB_NS, PLURAL,
+                    field_selector=f"metadata.name={JOB}", timeout_seconds=5,
+                )  # fmt: skip
+                for event in stream:
+                    notice = (event["object"].get("status") or {}).get("notice") or {}
+                    received = _ts(notice.get("receivedAt"))
+                    if received is not None and notice.get("deadline"):
+                        self._notices.setdefault(received, dict(notice))
+            except Exception:  # the cluster stopping; the loop ends with _stop
+                time.sleep(0.5)
 
     def _fill_resume(self, event: Interruption) -> None:
         starts = [e for e in read_log(self.loss_log) if e.get("event") == "start"]
@@ -588,6 +616,7 @@ class Demo:
         event.last_step_before = max(before) if before else 0
 
     def close(self) -> None:
+        self._stop.set()
         say("cleanup: stopping the cluster and the S3 server")
         if self.cluster is not None:
             try:
