@@ -174,3 +174,18 @@ def test_sigterm_before_any_checkpoint_still_lands(tmp_path: Path) -> None:
     run.signal(0, signal.SIGTERM)
     step = _stopped_step(tmp_path, run)
     assert api.list_steps(str(tmp_path / "ck")) == [step]
+
+
+def test_batched_notice_check_saves_at_the_next_multiple_of_k(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # the check runs when step % 4 == 0 on every rank: a request at step 9 is served at 12
+    run = trainer.launch(
+        WORLD,
+        _args(tmp_path, "--notice-every", "4", "--request-at", "9", "--request-rank", "1"),
+        workdir=tmp_path / "out",
+    )
+    step = _stopped_step(tmp_path, run)
+    assert step == 12
+    assert _manifest(tmp_path, 12)["trigger"] == "notice"
+    _resume_and_check(tmp_path, reference, 12)
