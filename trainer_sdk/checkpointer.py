@@ -70,6 +70,8 @@ log = logging.getLogger("trainer_sdk.checkpointer")
 
 _DEFAULT_URI: Final = "./checkpoints"
 _HEARTBEAT_EVERY_S: Final = 5.0
+_ROUTINE_TRIGGERS: Final = frozenset({"periodic", "manual"})
+"""Saves made by policy or by an explicit ``save()``, not for a notice."""
 _NO_STEP: Final = 10**12  # above every valid step number
 
 # Load verdicts, ordered so that the all-reduce MAX gives the worst.
@@ -599,7 +601,25 @@ class Checkpointer:
         self._last_committed = info.step
         if self.rank == 0:
             _retain(self.storage, committed=info.step, keep_last=self.config.keep_last)
-        self._update_status(last_committed_step=info.step)
+        if info.trigger in _ROUTINE_TRIGGERS:
+            # A routine save is a finished save too: the sidecar's duration, phase and bytes
+            # metrics (and the dashboards built on them) come from this status. No request
+            # id, so neither the sidecar nor the operator takes it for a served notice.
+            self._update_status(
+                state=State.COMMITTED,
+                request_id=None,
+                step=info.step,
+                trigger=info.trigger,
+                deadline=None,
+                error=None,
+                seconds=info.seconds,
+                phases=info.phases,
+                bytes=info.bytes,
+                uri=self._step_uri(info.step),
+                last_committed_step=info.step,
+            )
+        else:  # emergency saves report through _finish_notice, with their notice's details
+            self._update_status(last_committed_step=info.step)
 
     def _drain(self) -> None:
         if self._saver is None:

@@ -26,6 +26,8 @@ __all__ = ["NOTICE_SOURCES", "PHASES", "TRIGGERS", "SidecarMetrics"]
 NOTICE_SOURCES: Final = ("operator", "aws", "gce", "azure")
 PHASES: Final = ("drain", "plan", "stage", "write", "upload", "commit")
 TRIGGERS: Final = ("periodic", "notice", "signal", "request", "final", "manual")
+ROUTINE_TRIGGERS: Final = ("periodic", "manual")
+"""Saves the SDK makes by policy or on an explicit save(): they answer no request."""
 RESULTS: Final = (State.COMMITTED.value, State.FAILED.value, State.SKIPPED.value)
 
 # Saves take from well under a second (small models, local disk) to many minutes (large
@@ -115,7 +117,9 @@ class SidecarMetrics:
             self.last_committed_step.set(status.last_committed_step)
         if status.state not in RESULTS:
             return
-        self.requests_total.labels(result=status.state.value).inc()
+        if status.request_id is not None or status.trigger not in ROUTINE_TRIGGERS:
+            # Periodic saves also end in `committed`, but they answer no request.
+            self.requests_total.labels(result=status.state.value).inc()
         if status.state is not State.COMMITTED:
             return
         if status.last_committed_step is None and status.step is not None:

@@ -331,6 +331,43 @@ def test_request_checkpoint_saves_now_and_reports_in_the_control_dir(tmp_path: P
     assert status.deadline is not None
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_periodic_save_reports_committed_without_a_request(
+    tmp_path: Path, async_save: bool
+) -> None:
+    # The sidecar times every save from this status; the operator must not take it for a
+    # served notice, so it carries no request id and the trigger says periodic.
+    model, opt = _model()
+    ctl = tmp_path / "ctl"
+    with Checkpointer(
+        str(tmp_path / "ck"),
+        model=model,
+        optimizer=opt,
+        every_steps=2,
+        control_dir=str(ctl),
+        async_save=async_save,
+    ) as ck:
+        assert ck.restore() == 0
+        for step in (1, 2):
+            _train(model, opt)
+            assert ck.step(step) is False
+    status = ControlChannel(ctl).read_status()
+    assert status is not None
+    assert status.state == State.COMMITTED
+    assert status.trigger == "periodic"
+    assert status.request_id is None
+    assert status.deadline is None
+    assert status.step == 2
+    assert status.last_committed_step == 2
+    assert status.seconds is not None
+    assert status.seconds > 0
+    assert status.bytes is not None
+    assert status.bytes > 0
+    assert "write" in status.phases
+    assert status.uri is not None
+    assert status.uri.endswith("step-000000000002")
+
+
 def test_a_control_request_with_a_too_short_deadline_is_skipped(tmp_path: Path) -> None:
     model, opt = _model()
     ctl = ControlChannel(tmp_path / "ctl")

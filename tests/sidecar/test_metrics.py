@@ -129,6 +129,34 @@ def test_a_commit_without_a_request_moves_only_the_step_gauge(sidecar: SidecarPr
     assert _value(sidecar, "baton_checkpoint_requests_total", result="committed") == 0.0
 
 
+def test_a_periodic_save_is_timed_but_answers_no_request(sidecar: SidecarProcess) -> None:
+    # What the Checkpointer writes after a routine save: committed, trigger periodic, no id.
+    channel = ControlChannel(sidecar.control_dir)
+    channel.write_status(Status(state=State.IDLE, last_committed_step=None))
+    wait_for(lambda: sidecar.status().json()["trainer"] == "alive", what="status seen")
+    channel.write_status(
+        Status(
+            state=State.COMMITTED,
+            request_id=None,
+            step=20,
+            seconds=1.25,
+            trigger="periodic",
+            phases={"plan": 0.05, "write": 1.0, "commit": 0.2},
+            bytes=4096,
+            last_committed_step=20,
+        )
+    )
+    wait_for(
+        lambda: _value(sidecar, "baton_checkpoint_seconds_count", trigger="periodic") == 1.0,
+        what="the periodic save's duration",
+    )
+    assert _value(sidecar, "baton_checkpoint_seconds_sum", trigger="periodic") == 1.25
+    assert _value(sidecar, "baton_checkpoint_phase_seconds_count", phase="write") == 1.0
+    assert _value(sidecar, "baton_checkpoint_bytes_total") == 4096.0
+    assert _value(sidecar, "baton_checkpoint_last_committed_step") == 20.0
+    assert _value(sidecar, "baton_checkpoint_requests_total", result="committed") == 0.0
+
+
 def test_restarted_sidecar_does_not_count_an_old_save_again(
     sidecar_factory: Callable[..., SidecarProcess],
 ) -> None:
