@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -673,6 +674,12 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
                 "downtime_s": (ev.resumed_at - ev.injected_at) if ev.resumed_at else None,
             }
         )
+    # The operator's own notice-to-commit figure (its status times are whole seconds).
+    for r in rows:
+        for e in demo.saved_events:
+            m = re.search(r"committed step (\d+) ([\d.]+)s after the notice", e)
+            if m and r["checkpoint_trigger"] == "notice" and int(m[1]) == r["checkpoint_step"]:
+                r["notice_to_commit_s"] = float(m[2])
     steps_lost = sum(r["steps_lost"] or 0 for r in rows)
     equal = sha is not None and sha == ref_sha
     data = {
