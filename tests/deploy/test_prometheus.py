@@ -88,17 +88,22 @@ def sidecars(tmp_path: Path) -> Iterator[list[SidecarProcess]]:
         for i in range(2):
             (tmp_path / f"pod{i}").mkdir()
             procs.append(SidecarProcess(tmp_path / f"pod{i}").start())
+        # The sidecar takes the first status it sees as history from before its own restart
+        # and does not count it. Give it an idle one to see first, as a starting trainer does.
+        for proc in procs:
+            ControlChannel(proc.control_dir).write_status(Status(state=State.IDLE))
+        time.sleep(1.0)  # ten of the sidecar's 0.1 s status polls (SidecarProcess sets it)
         yield procs
     finally:
         for proc in procs:
             proc.stop()
 
 
-def _committed_count(sidecar: SidecarProcess) -> float:
+def _last_committed_step(sidecar: SidecarProcess) -> float:
     for line in sidecar.metrics().splitlines():
-        if line.startswith('baton_checkpoint_requests_total{result="committed"}'):
+        if line.startswith("baton_checkpoint_last_committed_step "):
             return float(line.split()[-1])
-    return 0.0
+    return -1.0
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -130,12 +135,16 @@ def _report_saves(
     channel = ControlChannel(sidecar.control_dir)
     for i, (trigger, seconds, margin) in enumerate(saves):
         step = first_step + 100 * i
-        before = _committed_count(sidecar)
-        channel.write_status(Status(state=State.SAVING, step=step, trigger=trigger))
+        # Notice saves answer a request (periodic ones have none), as the SDK reports them.
+        request_id = None if trigger == "periodic" else f"req-{step}"
+        channel.write_status(
+            Status(state=State.SAVING, step=step, trigger=trigger, request_id=request_id)
+        )
         now = utcnow()
         channel.write_status(
             Status(
                 state=State.COMMITTED,
+                request_id=request_id,
                 step=step,
                 uri=f"file:///ckpt/step-{step:012d}",
                 seconds=seconds + 0.1 * rank_offset,
@@ -148,7 +157,7 @@ def _report_saves(
             )
         )
         _wait(
-            lambda before=before: _committed_count(sidecar) > before,  # type: ignore[misc]
+            lambda step=step: _last_committed_step(sidecar) == step,  # type: ignore[misc]
             f"the sidecar to count step {step}",
         )
 
