@@ -229,9 +229,24 @@ def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
             {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         ],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+        # Measured: 39 MiB resident with all three cloud pollers on (docs/sidecar.md).
+        "resources": {"requests": {"cpu": "10m", "memory": "48Mi"}},
+        # The trainer starts only once the sidecar answers (a native sidecar's startup probe
+        # gates the main containers), so a notice can never arrive before it is heard.
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": config.sidecar_port},
+            "periodSeconds": 1,
+            "failureThreshold": 60,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": config.sidecar_port},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
     }
     _restricted(container)
+    # The sidecar writes only into the control emptyDir.
+    container["securityContext"]["readOnlyRootFilesystem"] = True
     return container
 
 
@@ -315,7 +330,11 @@ def pod_manifest(
     volumes.append(
         {
             "name": TOKEN_VOLUME,
-            "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o440},
+            # World-readable inside the pod: the sidecar runs as its image's non-root user
+            # whatever the pod's fsGroup, and 0440 would leave the file root-only. The token
+            # only authorises checkpoint requests to this pod's own sidecar, and the trainer
+            # beside it is inside that trust boundary already.
+            "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o444},
         }
     )
     pod_spec["volumes"] = volumes

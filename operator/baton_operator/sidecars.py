@@ -8,15 +8,21 @@ the HTTP status, never the request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
 from .errors import SidecarError
 
-__all__ = ["SidecarClient", "SidecarStatus"]
+__all__ = ["MIN_LEAD", "SidecarClient", "SidecarStatus"]
+
+MIN_LEAD: Final = timedelta(seconds=2)
+"""The least time left that a checkpoint request carries. A notice can reach the operator
+after its own deadline (the operator was slow or restarting); the sidecar refuses deadlines in
+the past, so such a request would save nothing. With a short lead the SDK still decides
+honestly, from its save-time estimate, whether to save or to report ``skipped``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +131,11 @@ class SidecarClient:
     async def request_checkpoint(
         self, ip: str, token: str, *, deadline: datetime, reason: str
     ) -> str:
-        """``POST /v1/checkpoint``; returns the request id (merged requests share one)."""
+        """``POST /v1/checkpoint``; returns the request id (merged requests share one).
+
+        A deadline closer than :data:`MIN_LEAD` (or already past) is moved to now + MIN_LEAD.
+        """
+        deadline = max(deadline, datetime.now(tz=UTC) + MIN_LEAD)
         data = await self._call(
             "POST",
             ip,

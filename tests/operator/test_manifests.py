@@ -172,6 +172,19 @@ def test_native_sidecar_and_shared_volumes() -> None:
     assert not any("hostPath" in v for v in pod["spec"]["volumes"])
 
 
+def test_sidecar_can_read_its_token_as_any_user_and_is_probed() -> None:
+    # The sidecar runs as its image's non-root user with no fsGroup given: a token file
+    # that only root could read would stop it at start-up in a real cluster.
+    pod = build()
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["baton-token"]["secret"]["defaultMode"] == 0o444
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    for probe in ("startupProbe", "livenessProbe"):
+        assert sidecar[probe]["httpGet"] == {"path": "/healthz", "port": 9440}, probe
+    assert sidecar["resources"]["requests"]["memory"] == "48Mi"
+
+
 def test_restricted_security_on_every_container() -> None:
     pod = build()
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -67,6 +67,23 @@ def test_request_then_status_follows_the_sdk_report(sidecar: SidecarProcess) -> 
     asyncio.run(scenario())
 
 
+def test_a_notice_past_its_deadline_still_asks_for_a_save(sidecar: SidecarProcess) -> None:
+    # The sidecar refuses deadlines in the past (422); the client moves them just ahead, and
+    # the SDK then decides from its estimate whether a save fits.
+    async def scenario() -> None:
+        async with SidecarClient(port=sidecar.port, timeout_seconds=5) as client:
+            late = datetime.now(tz=UTC) - timedelta(seconds=30)
+            rid = await client.request_checkpoint("127.0.0.1", TOKEN, deadline=late, reason="late")
+            assert rid
+
+    before = datetime.now(tz=UTC)
+    asyncio.run(scenario())
+    request = ControlChannel(sidecar.control_dir).read_request()
+    assert request is not None
+    assert request.deadline is not None
+    assert request.deadline > before
+
+
 def test_wrong_token_and_dead_sidecar_raise_without_the_token(sidecar: SidecarProcess) -> None:
     async def scenario() -> None:
         async with SidecarClient(port=sidecar.port, timeout_seconds=2) as client:
