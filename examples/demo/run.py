@@ -680,6 +680,8 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
             m = re.search(r"committed step (\d+) ([\d.]+)s after the notice", e)
             if m and r["checkpoint_trigger"] == "notice" and int(m[1]) == r["checkpoint_step"]:
                 r["notice_to_commit_s"] = float(m[2])
+                if r["notice_lead_s"] is not None:
+                    r["margin_s"] = r["notice_lead_s"] - float(m[2])
     steps_lost = sum(r["steps_lost"] or 0 for r in rows)
     equal = sha is not None and sha == ref_sha
     data = {
