@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any
 
 import yaml
 
@@ -111,15 +112,24 @@ def _run(config: OperatorConfig, verbose: bool) -> None:
     if config.kubeconfig:
         # kopf's own login reads $KUBECONFIG; the operator's API client gets the path directly.
         os.environ["KUBECONFIG"] = config.kubeconfig
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not config.namespaces,
-            namespaces=list(config.namespaces),
-            standalone=config.standalone,
-            peering_name=config.peering_name,
-            memo=kopf.Memo(config=config),
-        )
-    )
+    asyncio.run(kopf.operator(memo=kopf.Memo(config=config), **kopf_operator_args(config)))
+
+
+def kopf_operator_args(config: OperatorConfig) -> dict[str, Any]:
+    """The arguments of ``kopf.operator`` for ``config``.
+
+    kopf makes peering *mandatory* whenever a peering name is passed, even with
+    ``standalone=True``, and then pauses every watch until a peering object shows up: so a
+    standalone operator must pass no name at all.
+    """
+    args: dict[str, Any] = {
+        "clusterwide": not config.namespaces,
+        "namespaces": list(config.namespaces),
+        "standalone": config.standalone,
+    }
+    if not config.standalone:
+        args["peering_name"] = config.peering_name
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,3 +67,17 @@ def test_manifests_subcommand_prints_crds_and_rbac() -> None:
         ("ClusterRoleBinding", "baton-operator"),
     ]
     assert docs[3]["metadata"]["namespace"] == "ops"
+
+
+def test_standalone_passes_no_peering_name_to_kopf() -> None:
+    # kopf turns any peering name into *mandatory* peering, which pauses every watch of a
+    # standalone operator (deploy/'s kubectl -k install) until a peering object exists.
+    standalone = cli.kopf_operator_args(OperatorConfig(standalone=True))
+    assert "peering_name" not in standalone
+    assert standalone["standalone"] is True
+    assert standalone["clusterwide"] is True
+    peered = cli.kopf_operator_args(OperatorConfig(namespaces=("ml",), peering_name="baton"))
+    assert peered["peering_name"] == "baton"
+    assert peered["standalone"] is False
+    assert peered["namespaces"] == ["ml"]
+    assert peered["clusterwide"] is False
