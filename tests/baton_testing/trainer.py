@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["TrainerRun", "launch", "main", "read_loss_log", "run"]
 
@@ -45,6 +45,10 @@ _REPO_DIR = str(Path(_TESTS_DIR).parent)
 
 
 # ---- the script --------------------------------------------------------------------------
+
+
+EXIT_STOPPED: Final = 75
+"""Exit code after an emergency save (``EX_TEMPFAIL``), as docs/contracts.md asks."""
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -238,7 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FINAL_SHA256 {params}", flush=True)
     if world_size > 1:
         dist.destroy_process_group()
-    return 0
+    # docs/contracts.md: a rank that stopped after an emergency save exits EX_TEMPFAIL, so the
+    # operator never mistakes it for a finished (or failed) rank.
+    return EXIT_STOPPED if stopped else 0
 
 
 # ---- launching it from tests -------------------------------------------------------------

@@ -29,7 +29,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _stopped_step(tmp: Path, run: trainer.TrainerRun) -> int:
     codes = run.wait(exactness.RUN_TIMEOUT)
-    assert codes == [0] * WORLD, run.output()
+    assert codes == [trainer.EXIT_STOPPED] * WORLD, run.output()
     result = json.loads((tmp / "result.json").read_text())
     assert result["stopped"] is True
     step = int(result["step"])

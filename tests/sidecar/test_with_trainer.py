@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from baton_testing.fake_clouds import FakeAws, FakeAzure, FakeGce
 from baton_testing.sidecar_process import SidecarProcess, wait_for
-from baton_testing.trainer import TrainerRun, launch
+from baton_testing.trainer import EXIT_STOPPED, TrainerRun, launch
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainer_sdk.control import format_rfc3339, parse_rfc3339, utcnow
@@ -92,7 +92,7 @@ def _wait_committed(sc: SidecarProcess, run: TrainerRun, timeout: float = 120) -
 
 
 def _check_stopped_at(run: TrainerRun, tmp_path: Path, step: int) -> None:
-    assert run.wait(120) == [0, 0], run.output()
+    assert run.wait(120) == [EXIT_STOPPED, EXIT_STOPPED], run.output()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["stopped"] is True
     assert result["step"] == step
