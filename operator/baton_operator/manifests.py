@@ -254,7 +254,9 @@ def _avoid_nodes(affinity: dict[str, Any], avoid: Iterable[str]) -> None:
     nodes = sorted(set(avoid))
     if not nodes:
         return
-    expr = {"key": "metadata.name", "operator": "NotIn", "values": nodes}
+    # The API server allows a single value per In/NotIn on a node *field* selector, so each
+    # avoided node is its own requirement; requirements within a term are ANDed.
+    exprs = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in nodes]
     node_aff = affinity.setdefault("nodeAffinity", {})
     required = node_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.setdefault("nodeSelectorTerms", [])
@@ -262,7 +264,7 @@ def _avoid_nodes(affinity: dict[str, Any], avoid: Iterable[str]) -> None:
         terms.append({})
     # Terms are ORed: the exclusion has to be ANDed into every one of them.
     for term in terms:
-        term.setdefault("matchFields", []).append(dict(expr))
+        term.setdefault("matchFields", []).extend(dict(e) for e in exprs)
 
 
 def _spread_ranks(affinity: dict[str, Any], job: str, attempt: int) -> None:
