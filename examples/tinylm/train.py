@@ -37,6 +37,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import trainer_sdk
 
+EXIT_STOPPED = 75
+"""Exit code after a checkpoint on notice (``EX_TEMPFAIL``), as the operator expects."""
+
 # --------------------------------------------------------------------------- data
 
 
@@ -293,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    # EX_TEMPFAIL after an emergency save: the operator then knows this rank stopped for a
+    # notice and will resume it, rather than count it as finished (docs/contracts.md).
+    return EXIT_STOPPED if stopped_early else 0
 
 
 if __name__ == "__main__":
