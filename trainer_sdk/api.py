@@ -54,7 +54,6 @@ from trainer_sdk._safetensors_io import (
 )
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import (
-    BatonError,
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -602,7 +601,6 @@ def save(
             "delete_step() it first"
         )
     phases: dict[str, float] = {}
-    result: RankRecord | BaseException
     try:
         t = time.perf_counter()
         flat = flatten(state, process_group=process_group)
@@ -610,34 +608,71 @@ def save(
         t = time.perf_counter()
         plan = plan_save(flat, rank, world)
         phases["plan"] = time.perf_counter() - t
-        t = time.perf_counter()
-        result = write_rank(storage, plan, flat.tensors(), flat.tree, step=step, flat=flat)
-        phases["write"] = time.perf_counter() - t
-        phases["hash"] = result.hash_seconds
     except Exception as exc:
         if world == 1:
             raise
-        result = exc
+        # Still take part in the commit, so that every rank learns who failed.
+        return write_and_commit(
+            storage, exc, {}, None, step=step, trigger=trigger, process_group=process_group,
+            timeout=timeout, started=t0, phases=phases,
+        )  # fmt: skip
+    return write_and_commit(
+        storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
+        process_group=process_group, timeout=timeout, started=t0, phases=phases,
+    )  # fmt: skip
+
+
+def write_and_commit(
+    storage: Storage,
+    plan: SavePlan | BaseException,
+    tensors: Mapping[str, torch.Tensor],
+    json_tree: Any,
+    *,
+    step: int,
+    trigger: str,
+    process_group: Any,
+    timeout: float,
+    started: float,
+    flat: FlatState | None = None,
+    phases: dict[str, float] | None = None,
+) -> SaveInfo:
+    """Phases 3 and 4 together, with the rules every saver needs (sync, async, Checkpointer).
+
+    A rank whose write fails still takes part in the commit (unless it is alone), so that every
+    rank learns who failed; an error from the commit is chained to that rank's own error.
+    ``plan`` may already be the exception an earlier phase raised. ``started`` is the
+    ``time.perf_counter()`` at which the save began; ``phases`` has the earlier phases' times.
+    """
+    phases = dict(phases or {})
+    record: RankRecord | BaseException
+    if isinstance(plan, BaseException):
+        record = plan
+    else:
+        t = time.perf_counter()
+        try:
+            record = write_rank(storage, plan, tensors, json_tree, step=step, flat=flat)
+            phases["write"] = time.perf_counter() - t
+            phases["hash"] = record.hash_seconds
+        except Exception as exc:
+            if group_rank_world(process_group)[1] == 1:
+                raise
+            record = exc
     t = time.perf_counter()
     try:
         manifest = commit(
-            storage,
-            result,
-            step=step,
-            trigger=trigger,
-            process_group=process_group,
+            storage, record, step=step, trigger=trigger, process_group=process_group,
             timeout=timeout,
-        )
-    except BatonError as e:
-        if isinstance(result, BaseException):
-            raise e from result
+        )  # fmt: skip
+    except BaseException as e:
+        if isinstance(record, BaseException):
+            raise e from record
         raise
     phases["commit"] = time.perf_counter() - t
     return SaveInfo(
         step=step,
         uri=storage.uri,
         bytes=manifest.total_bytes,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - started,
         phases=phases,
         files=len(manifest.files),
         trigger=trigger,

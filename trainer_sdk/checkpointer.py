@@ -556,41 +556,11 @@ class Checkpointer:
             return None
         self._drain()
         flat, plan = prepared or self._prepare(step)
-        record: api.RankRecord | BaseException
-        t = time.perf_counter()
-        try:
-            record = api.write_rank(
-                self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat
-            )
-        except Exception as e:
-            if self._group is None:
-                raise
-            record = e  # still take part in the commit, so every rank learns who failed
-        t_write = time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            manifest = api.commit(
-                self.storage,
-                record,
-                step=step,
-                trigger=trigger,
-                process_group=self._group,
-                timeout=self.config.timeout.total_seconds(),
-            )
-        except BaseException as e:
-            if isinstance(record, BaseException):
-                raise e from record
-            raise
-        seconds = time.perf_counter() - start
-        info = api.SaveInfo(
-            step=step,
-            uri=self.storage.uri,
-            bytes=manifest.total_bytes,
-            seconds=seconds,
-            phases={"write": t_write, "commit": time.perf_counter() - t},
-            files=len(manifest.files),
-            trigger=trigger,
-        )
+        info = api.write_and_commit(
+            self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
+            process_group=self._group, timeout=self.config.timeout.total_seconds(),
+            started=start,
+        )  # fmt: skip
         self._after_commit(info, plan.nbytes)
         return info
 

@@ -247,38 +247,14 @@ def stage_and_commit(
     live = flat.tensors()
     keys = plan.keys
     to_stage = {k: live[k] for k in flat.entries if k in keys}
-    world = plan.world_size
     group = saver.group
     timeout = saver.timeout.total_seconds()
 
     def work(staged: dict[str, torch.Tensor], tree: Any) -> api.SaveInfo:
-        t = time.perf_counter()
-        record: api.RankRecord | BaseException
-        try:
-            record = api.write_rank(storage, plan, staged, tree, step=step, flat=flat)
-        except Exception as e:
-            if world == 1:
-                raise
-            record = e  # still take part in the commit, so every rank learns who failed
-        t_write = time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            manifest = api.commit(
-                storage, record, step=step, trigger=trigger, process_group=group, timeout=timeout
-            )
-        except BaseException as e:
-            if isinstance(record, BaseException):
-                raise e from record
-            raise
-        info = api.SaveInfo(
-            step=step,
-            uri=storage.uri,
-            bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - t0,
-            phases={"write": t_write, "commit": time.perf_counter() - t},
-            files=len(manifest.files),
-            trigger=trigger,
-        )
+        info = api.write_and_commit(
+            storage, plan, staged, tree, step=step, flat=flat, trigger=trigger,
+            process_group=group, timeout=timeout, started=t0,
+        )  # fmt: skip
         if on_commit is not None:
             on_commit(info, plan.nbytes)
         return info
