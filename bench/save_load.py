@@ -155,9 +155,17 @@ def _save_into(infos: list[Any], state: dict[str, Any], path: str, *, step: int)
 
 
 def fresh(base: Path, name: str) -> str:
+    """Delete the previous output of ``name`` and let the disk settle before the next timing.
+
+    The filesystem here is ext4 mounted with ``discard``: deleting a 1 GiB file queues its
+    discards for the next journal commit, which the next fsync would pay for. Syncing now
+    keeps one method's deletion out of another method's timing.
+    """
     p = base / name
     if p.exists():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
+    os.sync()
+    time.sleep(0.5)
     return str(p)
 
 

@@ -17,7 +17,6 @@ import hashlib
 import json
 import struct
 import time
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Final
 
 import torch
 
+from trainer_sdk._crc import crc32
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.storage.base import Writer
 
@@ -155,7 +155,7 @@ class _Hasher:
 
     def _crc_work(self, view: memoryview) -> int:
         t0 = time.perf_counter()
-        crc = zlib.crc32(view)
+        crc = crc32(view)
         self._crc_busy += time.perf_counter() - t0
         return crc
 

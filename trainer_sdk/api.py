@@ -30,7 +30,6 @@ import math
 import re
 import sys
 import time
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from trainer_sdk._collectives import (
     broadcast_json,
     group_rank_world,
 )
+from trainer_sdk._crc import crc32
 from trainer_sdk._safetensors_io import (
     ST_TO_TORCH,
     PieceSource,
@@ -781,7 +781,7 @@ class _Reader:
             raise ManifestError(f"not valid JSON ({e})", path=self._path(name)) from e
 
     def _verify(self, view: memoryview | bytearray, want: int, path: str, key: str, k: int) -> None:
-        if zlib.crc32(view) != want:
+        if crc32(view) != want:
             raise CorruptCheckpointError(
                 f"checksum mismatch in tensor {key!r}, block {k}: the file is corrupt; load an "
                 "older step",
