@@ -85,7 +85,7 @@ from trainer_sdk.planning import (
     plan_save,
     row_range,
 )
-from trainer_sdk.storage import Storage, open_storage
+from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [
     "FlatEntry",
@@ -576,7 +576,7 @@ def _update_latest(storage: Storage, step: int) -> None:
 
 def save(
     state: Mapping[str, Any],
-    uri: str,
+    uri: Location,
     *,
     step: int,
     trigger: str = "periodic",
@@ -682,11 +682,9 @@ def write_and_commit(
 # ----------------------------------------------------------------- reading checkpoints
 
 
-def read_manifest(storage: Storage | str, step: int) -> Manifest:
+def read_manifest(storage: Location, step: int) -> Manifest:
     """The validated manifest of ``step``; IncompleteCheckpointError if it never committed."""
-    return _catalog.read_manifest(
-        open_storage(storage) if isinstance(storage, str) else storage, step
-    )
+    return _catalog.read_manifest(open_storage(storage), step)
 
 
 def _step_dirs(storage: Storage) -> list[int]:
@@ -697,13 +695,13 @@ def _is_complete(storage: Storage, step: int) -> bool:
     return _catalog.is_complete(storage, step)
 
 
-def list_steps(uri: str) -> list[int]:
+def list_steps(uri: Location) -> list[int]:
     """Every complete step (valid manifest) under ``uri``, ascending."""
     storage = open_storage(uri)
     return [s for s in _step_dirs(storage) if _is_complete(storage, s)]
 
 
-def latest_step(uri: str) -> int | None:
+def latest_step(uri: Location) -> int | None:
     """The newest complete step under ``uri``, or None.
 
     ``latest`` is only a hint: the step directories are listed and their manifests validated,
@@ -712,19 +710,19 @@ def latest_step(uri: str) -> int | None:
     return _catalog.newest_complete(open_storage(uri))
 
 
-def delete_step(uri: str, step: int) -> None:
+def delete_step(uri: Location, step: int) -> None:
     """Delete one step: the manifest first (so readers stop seeing it at once), then the rest."""
     storage = open_storage(uri)
     storage.delete(_manifest_key(step))
     storage.delete_tree(step_dir(step))
 
 
-def cleanup_incomplete(uri: str, *, older_than: int | None = None) -> list[str]:
+def cleanup_incomplete(uri: Location, *, older_than: int | None = None) -> list[str]:
     """Delete step directories that have no valid manifest and are older than ``older_than``
     (default: the newest complete step, so an in-progress save is never touched). Returns
     the deleted directory names."""
     storage = open_storage(uri)
-    limit = latest_step(uri) if older_than is None else older_than
+    limit = latest_step(storage) if older_than is None else older_than
     if limit is None:
         return []
     removed = []
@@ -1050,7 +1048,7 @@ class _Restorer:
 
 def load(
     state: dict[str, Any],
-    uri: str,
+    uri: Location,
     *,
     step: int | None = None,
     process_group: Any = None,
@@ -1076,7 +1074,7 @@ def load(
     storage = open_storage(uri)
     rank, world = group_rank_world(process_group)
     if step is None:
-        chosen = latest_step(uri) if rank == 0 else None
+        chosen = latest_step(storage) if rank == 0 else None
         if world > 1:
             chosen = broadcast_json(
                 chosen, group=process_group, timeout=timeout, what="load: choosing the step"
@@ -1171,7 +1169,7 @@ def _load_local(
 
 
 def iter_tensors(
-    uri: str, *, step: int | None = None, kinds: tuple[str, ...] = ("replicated", "sharded")
+    uri: Location, *, step: int | None = None, kinds: tuple[str, ...] = ("replicated", "sharded")
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, full tensor) for the tensors of a step, one at a time (for exporters).
 
@@ -1181,7 +1179,7 @@ def iter_tensors(
     """
     storage = open_storage(uri)
     if step is None:
-        step = latest_step(uri)
+        step = latest_step(storage)
         if step is None:
             raise CheckpointError(f"no complete checkpoint under {storage.uri}")
     manifest = read_manifest(storage, step)

@@ -62,7 +62,7 @@ from trainer_sdk.signals import (
     agree_max,
 )
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver, stage_and_commit
-from trainer_sdk.storage import Storage, open_storage
+from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "ResumeError"]
 
@@ -178,7 +178,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        uri: str | Storage | None = None,
+        uri: Location | None = None,
         *,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
@@ -203,12 +203,15 @@ class Checkpointer:
                 "optimizer given without model: pass model= too (optimizer state is keyed by "
                 "the model's parameter names)"
             )
-        storage = uri if isinstance(uri, Storage) else None
-        resolved = (
-            storage.uri
-            if storage is not None
-            else (uri or os.environ.get("BATON_CHECKPOINT_URI") or _DEFAULT_URI)
-        )
+        storage: Storage | None = None
+        if isinstance(uri, Storage):
+            storage, resolved = uri, uri.uri
+        else:
+            resolved = (
+                (os.fspath(uri) if uri else None)
+                or os.environ.get("BATON_CHECKPOINT_URI")
+                or _DEFAULT_URI
+            )
         self.config = CheckpointerConfig(
             uri=str(resolved),
             every_steps=every_steps if every_steps is not None else _env_int("BATON_EVERY_STEPS"),
@@ -288,7 +291,7 @@ class Checkpointer:
         if self.rank == 0:
             # Crashed saves leave step directories without a manifest; they never count. No
             # rank saves before restore() returns, so every such directory is garbage now.
-            for name in api.cleanup_incomplete(self.storage.uri, older_than=_NO_STEP):
+            for name in api.cleanup_incomplete(self.storage, older_than=_NO_STEP):
                 log.info("removed incomplete checkpoint directory %s", name)
         steps = self._agreed_steps()
         if not self._estimator.measured:
@@ -730,7 +733,7 @@ class Checkpointer:
     # ---- helpers --------------------------------------------------------------------------
 
     def _agreed_steps(self) -> list[int]:
-        steps = api.list_steps(self.storage.uri) if self.rank == 0 else []
+        steps = api.list_steps(self.storage) if self.rank == 0 else []
         if self._group is None:
             return steps
         count = torch.tensor([len(steps)], dtype=torch.int64)
@@ -823,12 +826,12 @@ def _retain(storage: Storage, *, committed: int, keep_last: int) -> None:
     than ``committed`` are touched: a newer directory may be a save that another rank has
     already started (the next async save), and is not ours to judge.
     """
-    complete = api.list_steps(storage.uri)
+    complete = api.list_steps(storage)
     keep = set(sorted(complete)[-keep_last:]) | {committed}
     for old in complete:
         if old < committed and old not in keep:
-            api.delete_step(storage.uri, old)
-    for name in api.cleanup_incomplete(storage.uri, older_than=committed):
+            api.delete_step(storage, old)
+    for name in api.cleanup_incomplete(storage, older_than=committed):
         log.info("removed incomplete checkpoint directory %s", name)
 
 

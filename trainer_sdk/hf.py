@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from trainer_sdk import api
 from trainer_sdk.errors import BatonError
 from trainer_sdk.layout import DTYPE_SIZES
+from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -192,7 +193,7 @@ def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def export_hf(
-    uri: str,
+    uri: Location,
     out_dir: str | os.PathLike[str],
     step: int | None = None,
     max_shard_size: int | str = "5GB",
@@ -205,7 +206,7 @@ def export_hf(
     ``uri`` to ``out_dir`` as Hugging Face safetensors.
 
     Args:
-        uri: the checkpoint root (a path, ``file://`` or ``s3://``).
+        uri: the checkpoint root (a path, ``file://``, ``s3://`` or a Storage).
         out_dir: a local directory; created if missing. It must not already hold an export
             (``model*.safetensors`` or the index) unless ``overwrite``, which deletes those first.
         step: the step to export; None for the newest complete step.
@@ -219,11 +220,12 @@ def export_hf(
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size)
+    storage = open_storage(uri)  # once: an S3 root gets one client for the whole export
     if step is None:
-        step = api.latest_step(uri)
+        step = api.latest_step(storage)
         if step is None:
-            raise HfExportError(f"no complete checkpoint under {uri!r}: nothing to export")
-    manifest = api.read_manifest(uri, step)
+            raise HfExportError(f"no complete checkpoint under {storage.uri}: nothing to export")
+    manifest = api.read_manifest(storage, step)
     selected = _select(manifest, prefix, step)
     shards = _plan(selected, limit)
     total = sum(item.nbytes for item in selected)
@@ -247,7 +249,13 @@ def export_hf(
 
     try:
         _stream_shards(
-            uri, step, out=out, shards=shards, filenames=filenames, total=total, progress=progress
+            storage,
+            step,
+            out=out,
+            shards=shards,
+            filenames=filenames,
+            total=total,
+            progress=progress,
         )
         if len(shards) > 1:
             shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
@@ -276,7 +284,7 @@ def export_hf(
 
 
 def _stream_shards(
-    uri: str,
+    storage: Storage,
     step: int,
     *,
     out: Path,
@@ -292,7 +300,7 @@ def _stream_shards(
     pending: dict[str, torch.Tensor] = {}
     current = 0
     done = 0
-    for key, tensor in api.iter_tensors(uri, step=step):
+    for key, tensor in api.iter_tensors(storage, step=step):
         index = shard_of.get(key)
         if index is None:
             continue

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from trainer_sdk import api
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.storage import Storage, open_storage
+from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers", "async_save", "stage_and_commit"]
 
@@ -270,7 +270,7 @@ _default_lock = threading.Lock()
 
 def async_save(
     state: Mapping[str, Any],
-    uri: str,
+    uri: Location,
     *,
     step: int,
     trigger: str = "manual",

@@ -68,6 +68,20 @@ def test_policy_saves_every_n_steps_and_keeps_the_last_k(tmp_path: Path) -> None
     assert trainer_sdk.latest_step(str(tmp_path)) == 6
 
 
+def test_a_pathlib_path_is_a_uri_and_retention_runs_through_the_opened_storage(
+    tmp_path: Path,
+) -> None:
+    model, opt = _model()
+    root = tmp_path / "ckpts"
+    with Checkpointer(root, model=model, optimizer=opt, every_steps=1, keep_last=2) as ck:
+        assert ck.config.uri == str(root)
+        ck.restore()
+        for step in range(1, 5):
+            _train(model, opt)
+            ck.step(step)
+    assert api.list_steps(root) == [3, 4]
+
+
 def test_environment_supplies_uri_and_policy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

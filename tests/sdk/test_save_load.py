@@ -398,3 +398,27 @@ def test_iter_tensors_yields_whole_tensors_one_at_a_time(tmp_path: Path) -> None
     assert torch.equal(got["b.c"], state["b"]["c"])
     with_rl = dict(iter_tensors(str(tmp_path), kinds=("replicated", "rank_local")))
     assert torch.equal(with_rl["r"], torch.ones(2))
+
+
+def test_paths_and_storage_objects_work_wherever_a_uri_does(tmp_path: Path) -> None:
+    from trainer_sdk.api import iter_tensors
+    from trainer_sdk.storage import open_storage
+
+    root = tmp_path / "ckpt"
+    state = {"w": torch.arange(12.0).reshape(3, 4), "meta": {"lr": 0.5}}
+    trainer_sdk.save(state, root, step=1)  # a pathlib.Path
+    storage = open_storage(f"file://{root}")
+    trainer_sdk.save(state, storage, step=2)  # an opened Storage, reused as is
+    assert open_storage(storage) is storage
+    assert trainer_sdk.list_steps(root) == [1, 2]
+    assert trainer_sdk.latest_step(storage) == 2
+    dest = {"w": torch.zeros(3, 4), "meta": {"lr": 0.0}}
+    info = trainer_sdk.load(dest, root, step=1)
+    assert info.step == 1
+    assert torch.equal(dest["w"], state["w"])
+    assert dest["meta"] == {"lr": 0.5}
+    assert [k for k, _ in iter_tensors(storage)] == ["w"]
+    trainer_sdk.delete_step(storage, 1)
+    assert trainer_sdk.list_steps(str(root)) == [2]
+    with pytest.raises(TypeError, match="path, a file:// or s3:// URI, or a Storage"):
+        trainer_sdk.latest_step(42)  # type: ignore[arg-type]

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import os
+from typing import TypeAlias
+
 from trainer_sdk.storage.base import Storage, Writer
 
-__all__ = ["Storage", "Writer", "open_storage"]
+__all__ = ["Location", "Storage", "Writer", "open_storage"]
+
+Location: TypeAlias = "str | os.PathLike[str] | Storage"
+"""Where a checkpoint root is: a path (``str`` or ``pathlib.Path``), a ``file://`` or
+``s3://`` URI, or an already opened :class:`Storage` (reused as is, e.g. one S3 client)."""
 
 
-def open_storage(uri: str) -> Storage:
-    """Open the checkpoint root named by ``uri``: a plain path, ``file://...`` or ``s3://...``."""
-    if uri.startswith("s3://"):
+def open_storage(where: Location) -> Storage:
+    """Open the checkpoint root ``where``: a path, ``file://...``, ``s3://...`` or a Storage."""
+    if isinstance(where, os.PathLike):
+        where = os.fspath(where)
+    if not isinstance(where, str):
+        if isinstance(where, Storage):
+            return where
+        raise TypeError(
+            f"a checkpoint location must be a path, a file:// or s3:// URI, or a Storage; "
+            f"got {type(where).__name__}"
+        )
+    if where.startswith("s3://"):
         from trainer_sdk.storage.s3 import S3Storage  # boto3 only when used
 
-        return S3Storage.from_uri(uri)
+        return S3Storage.from_uri(where)
     from trainer_sdk.storage.local import LocalStorage
 
-    return LocalStorage.from_uri(uri)
+    return LocalStorage.from_uri(where)
