@@ -30,7 +30,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -1169,13 +1169,18 @@ def _load_local(
 
 
 def iter_tensors(
-    uri: Location, *, step: int | None = None, kinds: tuple[str, ...] = ("replicated", "sharded")
+    uri: Location,
+    *,
+    step: int | None = None,
+    kinds: tuple[str, ...] = ("replicated", "sharded"),
+    keys: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, full tensor) for the tensors of a step, one at a time (for exporters).
 
     Each tensor is assembled from its pieces into a fresh CPU tensor; memory is bounded by
     the largest tensor. Rank-local tensors are skipped unless ``"rank_local"`` is in ``kinds``
-    (then rank 0's value is yielded).
+    (then rank 0's value is yielded). ``keys``, if given, limits the walk to those keys:
+    nothing else is read (an exporter of weights never reads the optimizer's bytes).
     """
     storage = open_storage(uri)
     if step is None:
@@ -1186,7 +1191,7 @@ def iter_tensors(
     reader = _Reader(storage, manifest)
     try:
         for key, entry in manifest.tensors.items():
-            if entry.kind not in kinds:
+            if entry.kind not in kinds or (keys is not None and key not in keys):
                 continue
             if entry.kind == "rank_local":
                 p0 = next((p for p in entry.pieces if p.rank == 0), None)

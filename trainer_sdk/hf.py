@@ -300,11 +300,9 @@ def _stream_shards(
     pending: dict[str, torch.Tensor] = {}
     current = 0
     done = 0
-    for key, tensor in api.iter_tensors(storage, step=step):
-        index = shard_of.get(key)
-        if index is None:
-            continue
-        # api.iter_tensors yields every replicated/sharded tensor once, in manifest order
+    for key, tensor in api.iter_tensors(storage, step=step, keys=shard_of.keys()):
+        index = shard_of[key]
+        # api.iter_tensors yields each selected tensor once, in manifest order
         assert index == current, f"{key!r} came out of manifest order"
         pending[name_of[key]] = tensor
         done += tensor.numel() * tensor.element_size()

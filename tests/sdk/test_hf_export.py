@@ -248,6 +248,29 @@ def test_a_damaged_checkpoint_is_named_and_leaves_no_half_export(tmp_path: Path)
     assert sorted(p.name for p in out.iterdir()) == []
 
 
+def test_an_export_never_reads_the_optimizer_bytes(tmp_path: Path) -> None:
+    model = _trained_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randint(0, 11, (8,))).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    trainer_sdk.save(state, tmp_path / "ckpt", step=1)
+    manifest = trainer_sdk.api.read_manifest(tmp_path / "ckpt", 1)
+    moments = [k for k in manifest.tensors if k.startswith("optim.") and k.endswith("exp_avg")]
+    assert moments, sorted(manifest.tensors)
+    # Damage every optimizer moment: a reader that touched them would fail its block checksum.
+    for key in moments:
+        piece = manifest.tensors[key].pieces[0]
+        shard = tmp_path / "ckpt" / "step-000000000001" / piece.file
+        data = bytearray(shard.read_bytes())
+        data[piece.begin] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    info = hf.export_hf(tmp_path / "ckpt", tmp_path / "out")
+    got, _ = _read_export(tmp_path / "out")
+    assert info.tensors == len(got)
+    _assert_equal_state(got, model.state_dict())
+
+
 def test_export_from_s3(s3_bucket: Any, tmp_path: Path) -> None:
     """The checkpoint is read over HTTP from an S3 server (moto), the export lands locally."""
     model = _trained_model()
