@@ -41,6 +41,15 @@ def _now() -> datetime:
     return datetime.now(tz=UTC)
 
 
+def _last_commit_time(job: Mapping[str, Any], status: Mapping[str, Any]) -> float:
+    """Unix time of the job's newest known commit; its creation time when it has none."""
+    last = status.get("lastCheckpoint") or {}
+    when = parse_time(last.get("completedAt")) or parse_time(
+        (job.get("metadata") or {}).get("creationTimestamp")
+    )
+    return (when or _now()).timestamp()
+
+
 def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
@@ -260,6 +269,11 @@ class Reconciler:
             count = sum(1 for v in self._phases.values() if v == p.value)
             self._metrics.jobs.labels(p.value).set(count)
 
+    def forget(self, namespace: str, name: str) -> None:
+        """The job was deleted: stop counting it and drop its metric series."""
+        self._count_phase(namespace, name, None)
+        self._metrics.job_deleted(namespace, name)
+
     # ----------------------------------------------------------------- entry point
 
     async def tick(self, namespace: str, name: str, memory: JobMemory) -> float | None:
@@ -267,7 +281,7 @@ class Reconciler:
         or finished (the daemon may stop)."""
         job = await self._kube.get_job(namespace, name)
         if job is None:
-            self._count_phase(namespace, name, None)
+            self.forget(namespace, name)
             return None
         spec = JobSpec.from_body(job)
         status: dict[str, Any] = dict(job.get("status") or {})
@@ -280,9 +294,16 @@ class Reconciler:
             return tick
         pods = await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
         if phase in (Phase.SUCCEEDED, Phase.FAILED):
+            self._metrics.job_finished(namespace, name)
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not self._finished(p)], now)
             return None
+        self._metrics.job_running(
+            namespace,
+            name,
+            failures_left=max(0, spec.max_failures - int(status.get("failures", 0))),
+            last_checkpoint=_last_commit_time(job, status),
+        )
         if memory.token is None:
             memory.token = await self._kube.read_secret_key(
                 namespace, manifests.secret_name(spec.name), manifests.TOKEN_KEY
@@ -424,7 +445,6 @@ class Reconciler:
                 "conditions": conditions,
             },
         )
-        self._metrics.failure_budget.labels(spec.namespace, spec.name).set(spec.max_failures)
         await self._event(
             job, "Normal", "Created",
             f"starting {spec.replicas} replicas x {spec.procs_per_replica} processes",
@@ -556,7 +576,7 @@ class Reconciler:
         if plan.exhausted:
             await self._event(job, "Warning", "Failed", plan.message)
         else:
-            self._metrics.restarts.labels(spec.namespace, spec.name, plan.reason).inc()
+            self._metrics.count_restart(spec.namespace, spec.name, plan.reason)
             if kind == "preemption":
                 self._metrics.preemptions.labels(spec.namespace, spec.name).inc()
             await self._event(

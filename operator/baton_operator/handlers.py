@@ -170,6 +170,19 @@ async def _job_daemon(
         wakers.pop((namespace, name), None)
 
 
+@kopf.on.event(*watches.JOBS.selector())
+async def _job_event(
+    event: kopf.RawEvent, name: str, namespace: str | None, memo: Any, **_: Any
+) -> None:
+    # A raw watch event, not kopf.on.delete: a finished job's daemon has exited and its
+    # finalizer is gone, and kopf calls on.delete handlers only for objects it still holds.
+    # A deletion this operator misses (it was down) only leaves that job's metric series
+    # until the operator restarts.
+    if event.get("type") == "DELETED" and namespace is not None:
+        reconciler: Reconciler = memo["reconciler"]
+        reconciler.forget(namespace, name)
+
+
 @kopf.on.event(*watches.NODES.selector())
 async def _node_event(
     event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any

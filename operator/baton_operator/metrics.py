@@ -6,6 +6,7 @@ steps. ``/healthz`` answers 200 while the event loop is alive.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Final
 
 from aiohttp import web
@@ -63,12 +64,67 @@ class Metrics:
         )
         self.last_checkpoint = Gauge(
             "baton_last_checkpoint_timestamp_seconds",
-            "Unix time of the last committed checkpoint the operator saw.", _JOB, registry=r,
+            "Unix time of the last committed checkpoint the operator saw (until the first: "
+            "the job's creation time).", _JOB, registry=r,
         )  # fmt: skip
+        self._live: set[tuple[str, str]] = set()
+        self._restart_reasons: dict[tuple[str, str], set[str]] = {}
+
+    # Per-job series follow the job's life, so that dashboards and alerts see the truth:
+    # they exist from the job's first reconcile (counters at 0, so increase() counts the
+    # first preemption), the gauges go when the job finishes (a Succeeded job is not "a
+    # job without a recent checkpoint"), and everything goes when the job is deleted.
+
+    def job_running(
+        self, namespace: str, name: str, *, failures_left: int, last_checkpoint: float
+    ) -> None:
+        """Called on each reconcile of a live job; seeds its series the first time.
+
+        ``last_checkpoint``: Unix time of the newest commit known from the job's status, or
+        the job's creation time when there is none (so a job that never checkpoints is
+        noticed by ``BatonNoRecentCheckpoint``). Later commits set the gauge directly.
+        """
+        key = (namespace, name)
+        if key in self._live:
+            return
+        self._live.add(key)
+        self.preemptions.labels(*key)
+        self.steps_lost_total.labels(*key)
+        self.failure_budget.labels(*key).set(failures_left)
+        self.last_checkpoint.labels(*key).set(last_checkpoint)
+
+    def count_restart(self, namespace: str, name: str, reason: str) -> None:
+        self._restart_reasons.setdefault((namespace, name), set()).add(reason)
+        self.restarts.labels(namespace, name, reason).inc()
+
+    def job_finished(self, namespace: str, name: str) -> None:
+        """Drop the gauges of a Succeeded or Failed job; its counters stay until deletion."""
+        key = (namespace, name)
+        self._live.discard(key)
+        for gauge in (self.failure_budget, self.last_checkpoint):
+            _remove(gauge, key)
+
+    def job_deleted(self, namespace: str, name: str) -> None:
+        """Drop every series of a deleted job."""
+        key = (namespace, name)
+        self.job_finished(namespace, name)
+        for metric in (
+            self.notice_to_commit, self.deadline_margin, self.preemptions, self.steps_lost,
+            self.steps_lost_total,
+        ):  # fmt: skip
+            _remove(metric, key)
+        for reason in self._restart_reasons.pop(key, set()):
+            _remove(self.restarts, (*key, reason))
 
     def render(self) -> bytes:
         """The text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def _remove(metric: Counter | Gauge | Histogram, labels: tuple[str, ...]) -> None:
+    # KeyError: never created (e.g. a job that finished before this operator started)
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
 
 
 async def serve(metrics: Metrics, *, port: int, host: str = "0.0.0.0") -> web.AppRunner:  # noqa: S104

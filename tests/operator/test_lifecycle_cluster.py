@@ -44,17 +44,33 @@ def test_two_replicas_run_to_succeeded_and_columns_say_so(baton: Baton) -> None:
     assert "Succeeded" in short
     explained = baton.cluster.kubectl("explain", "trainingjob.spec.checkpoint.uri").stdout
     assert "s3://" in explained
-    metrics = (
-        urllib.request.urlopen(f"http://127.0.0.1:{baton.operator.metrics_port}/metrics", timeout=5)
-        .read()
-        .decode()
+
+    def job_series() -> list[str]:
+        url = f"http://127.0.0.1:{baton.operator.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert "baton_jobs{" in text
+        return [line for line in text.splitlines() if f'job="{job}"' in line]
+
+    def until(predicate: Any, what: str, timeout: float = 30.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            series = job_series()
+            if predicate(series):
+                return series
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {series}"
+            time.sleep(0.2)
+
+    # Succeeded: the gauges are gone (no false BatonNoRecentCheckpoint an hour later), the
+    # counters stay, at 0 for a job that was never preempted.
+    series = until(
+        lambda ss: not any(s.startswith("baton_last_checkpoint_timestamp_seconds") for s in ss),
+        "the finished job's last-checkpoint gauge to go",
     )
-    assert "baton_jobs" in metrics
-    assert (
-        "baton_restarts_total" in metrics
-        or "baton_preemptions_total" in metrics
-        or ("baton_checkpoint_notice_to_commit_seconds" in metrics)
-    )
+    assert not any(s.startswith("baton_failure_budget_remaining") for s in series)
+    assert f'baton_preemptions_total{{job="{job}",namespace="{NAMESPACE}"}} 0.0' in series
+    # Deleted: nothing of it is left.
+    baton.delete(job)
+    until(lambda ss: ss == [], "every series of the deleted job to go")
 
 
 INVALID: list[tuple[str, Any, str]] = [
