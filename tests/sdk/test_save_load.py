@@ -422,3 +422,32 @@ def test_paths_and_storage_objects_work_wherever_a_uri_does(tmp_path: Path) -> N
     assert trainer_sdk.list_steps(str(root)) == [2]
     with pytest.raises(TypeError, match="path, a file:// or s3:// URI, or a Storage"):
         trainer_sdk.latest_step(42)  # type: ignore[arg-type]
+
+
+def test_stateful_list_subclasses_and_json_leaves_keep_their_meaning(tmp_path: Path) -> None:
+    class History(list[int]):
+        """A list that checkpoints itself as a dict (Stateful wins over list)."""
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"items": list(self), "n": len(self)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self[:] = sd["items"]
+
+    hist = History([3, 1, 2])
+    state: dict[str, Any] = {
+        "hist": hist,
+        "plain": [1, 2.5, "x", None, True, (4, 5)],
+        "inf": math.inf,
+    }
+    from trainer_sdk.api import flatten
+
+    flat = flatten(state)
+    assert flat.tree["hist"] == {"items": [3, 1, 2], "n": 3}
+    trainer_sdk.save(state, tmp_path, step=1)
+    fresh = History()
+    dest: dict[str, Any] = {"hist": fresh, "plain": [], "inf": 0.0}
+    trainer_sdk.load(dest, tmp_path)
+    assert fresh == [3, 1, 2]
+    assert dest["plain"] == [1, 2.5, "x", None, True, (4, 5)]
+    assert dest["inf"] == math.inf
