@@ -86,6 +86,10 @@ class SidecarConfig:
     """Seconds one metadata request (not a long poll) may take before it is retried."""
     backoff_max: float = 30.0
     """The longest wait between retries of a failing metadata endpoint."""
+    linger_seconds: float = 5.0
+    """After SIGTERM, how long to keep answering ``/v1/status`` while a checkpoint request's
+    outcome has not been read yet (the trainer usually exits right after its notice save, and
+    the kubelet stops the sidecar at once). 0 exits at once; a second SIGTERM always does."""
     max_body_bytes: int = 16 * 1024
     """Largest accepted request body; a checkpoint request is a few hundred bytes."""
     log_level: str = "INFO"
@@ -109,6 +113,8 @@ class SidecarConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.linger_seconds < 0:
+            raise ConfigError(f"linger_seconds must be 0 or more, got {self.linger_seconds}")
         if self.gce_wait_seconds < 1:
             raise ConfigError(f"gce_wait_seconds must be at least 1, got {self.gce_wait_seconds}")
 
@@ -175,6 +181,7 @@ def parse_config(
         request_timeout=_float_env(env, "BATON_SIDECAR_METADATA_TIMEOUT", 5.0),
         status_interval=_float_env(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
         backoff_max=_float_env(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
+        linger_seconds=_float_env(env, "BATON_SIDECAR_LINGER", 5.0),
     )
 
 

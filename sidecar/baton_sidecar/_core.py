@@ -52,6 +52,8 @@ class Sidecar:
         self._seen_end: tuple[Any, ...] | None = None
         self._seen_committed_step: int | None = None
         self._bad_status: str | None = None
+        self._answered: str | None = None
+        """The request id whose ended status ``GET /v1/status`` last returned."""
         self.clouds: list[str] | None = None
         """The clouds whose notices are watched; ``None`` while auto-detection runs."""
 
@@ -140,6 +142,8 @@ class Sidecar:
                 "heartbeat": None,
             }
         )
+        if status is not None and status.state in _ENDED and status.request_id:
+            self._answered = status.request_id
         body["trainer"] = self.liveness(status).value
         body["heartbeat_age_seconds"] = (
             None if status is None else round((utcnow() - status.heartbeat).total_seconds(), 3)
@@ -147,6 +151,18 @@ class Sidecar:
         body["pending_request"] = None if pending is None else pending.to_json()
         body["clouds"] = self.clouds
         return body
+
+    def unanswered(self) -> bool:
+        """Whether a checkpoint request is pending, running, or ended without its outcome
+        having been served by ``GET /v1/status`` yet (see ``SidecarConfig.linger_seconds``)."""
+        if self.channel.request_path.exists():
+            return True
+        status = self._status_or_none()
+        if status is None or not status.request_id:
+            return False
+        if status.state in _IN_FLIGHT:
+            return True
+        return status.state in _ENDED and status.request_id != self._answered
 
     def _status_or_none(self) -> Status | None:
         try:
@@ -189,8 +205,11 @@ class Sidecar:
         end_key = (status.state, status.request_id, status.step, status.updated)
         committed_step = status.last_committed_step
         if first:
-            # A restarted sidecar must not count the save it saw before its restart again.
+            # A restarted sidecar must not count the save it saw before its restart again,
+            # nor wait at shutdown for someone to read that old outcome.
             self._seen_end = end_key
+            if status.state in _ENDED:
+                self._answered = status.request_id
             self._seen_committed_step = committed_step
             if committed_step is not None:
                 self.metrics.last_committed_step.set(committed_step)

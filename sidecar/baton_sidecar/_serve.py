@@ -62,12 +62,39 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
                 asyncio.create_task(_run_clouds(config, sidecar, session, tasks), name="clouds")
             )
             await stop.wait()
+            for task in tasks:  # no new notices: only the status is still worth serving
+                if task.get_name() != "status":
+                    task.cancel()
+            await _linger(config, sidecar, loop)
             log.info("stopping")
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await runner.cleanup()
+
+
+async def _linger(config: SidecarConfig, sidecar: Sidecar, loop: asyncio.AbstractEventLoop) -> None:
+    """Keep serving while a checkpoint outcome is unread, up to ``config.linger_seconds``.
+
+    The trainer exits right after its notice save and the kubelet stops this container at
+    once; without this the operator could miss the ``committed`` it is polling for and fall
+    back to an older step. A second SIGTERM or SIGINT ends the wait.
+    """
+    if config.linger_seconds <= 0 or not sidecar.unanswered():
+        return
+    again = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, again.set)
+    log.info(
+        "stopping after the checkpoint outcome is read (at most %.1fs more)",
+        config.linger_seconds,
+    )
+    end = loop.time() + config.linger_seconds
+    while sidecar.unanswered() and not again.is_set() and loop.time() < end:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(again.wait(), timeout=0.1)
 
 
 async def _run_clouds(

@@ -56,6 +56,9 @@ class SidecarProcess:
                 "BATON_CLOUD": cloud,
                 "BATON_SIDECAR_STATUS_INTERVAL": "0.1",
                 "BATON_SIDECAR_LOG_LEVEL": "DEBUG",
+                # Tests that leave a request unread would each wait the 5 s default on stop;
+                # the linger tests (and every pod on the local cluster) use a real one.
+                "BATON_SIDECAR_LINGER": "0",
             }
         )
         full_env.update(env or {})

@@ -422,3 +422,70 @@ def test_secret_volume_style_rotation_through_symlinks(tmp_path: Path) -> None:
         assert proc.status(token="second-token").status_code == 200
     finally:
         assert proc.stop() == 0
+
+
+def _committed(request_id: str) -> Status:
+    now = utcnow()
+    return Status(
+        state=State.COMMITTED,
+        request_id=request_id,
+        step=40,
+        uri="file:///ckpt/step-000000000040",
+        seconds=1.5,
+        trigger="notice",
+        last_committed_step=40,
+        updated=now,
+        heartbeat=now,
+    )
+
+
+def _exited_within(sc: SidecarProcess, seconds: float) -> int:
+    assert sc.proc is not None
+    return sc.proc.wait(seconds)
+
+
+def test_after_sigterm_an_unread_outcome_is_still_served_then_it_exits(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    # The trainer committed its notice save and exited; the kubelet stops the sidecar at once.
+    sc = sidecar_factory(env={"BATON_SIDECAR_LINGER": "30"})
+    ControlChannel(sc.control_dir).write_status(_committed("r-notice"))
+    assert sc.proc is not None
+    sc.proc.send_signal(15)
+    with pytest.raises(subprocess.TimeoutExpired):
+        sc.proc.wait(1.0)  # still there for the operator
+    body = sc.status().json()  # the operator's poll
+    assert (body["state"], body["request_id"], body["step"]) == ("committed", "r-notice", 40)
+    assert _exited_within(sc, 5.0) == 0  # read: no reason to stay
+    assert "stopping after the checkpoint outcome is read" in sc.log()
+
+
+def test_after_sigterm_it_exits_at_once_when_nothing_is_unread(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    sc = sidecar_factory(env={"BATON_SIDECAR_LINGER": "30"})
+    channel = ControlChannel(sc.control_dir)
+    channel.write_status(_committed("r-old"))
+    sc.status()  # the operator already read this outcome
+    assert sc.proc is not None
+    sc.proc.send_signal(15)
+    assert _exited_within(sc, 5.0) == 0
+
+
+def test_the_linger_is_bounded_and_a_second_sigterm_ends_it(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    bounded = sidecar_factory(env={"BATON_SIDECAR_LINGER": "1"})
+    ControlChannel(bounded.control_dir).write_status(_committed("r-unread"))
+    assert bounded.proc is not None
+    bounded.proc.send_signal(15)
+    assert _exited_within(bounded, 6.0) == 0  # nobody read it: gone after ~1 s anyway
+
+    impatient = sidecar_factory(env={"BATON_SIDECAR_LINGER": "60"})
+    impatient.post_checkpoint({"deadline": _in(60), "reason": "x"})  # pending, never taken
+    assert impatient.proc is not None
+    impatient.proc.send_signal(15)
+    with pytest.raises(subprocess.TimeoutExpired):
+        impatient.proc.wait(1.0)
+    impatient.proc.send_signal(15)
+    assert _exited_within(impatient, 5.0) == 0
