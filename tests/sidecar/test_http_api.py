@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable
 from datetime import timedelta
@@ -444,16 +445,26 @@ def _exited_within(sc: SidecarProcess, seconds: float) -> int:
     return sc.proc.wait(seconds)
 
 
+def _sigterm(sc: SidecarProcess) -> None:
+    """What the kubelet does once the trainer container has exited."""
+    assert sc.proc is not None
+    sc.proc.send_signal(signal.SIGTERM)
+
+
+def _still_running_after(sc: SidecarProcess, seconds: float) -> None:
+    assert sc.proc is not None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sc.proc.wait(seconds)
+
+
 def test_after_sigterm_an_unread_outcome_is_still_served_then_it_exits(
     sidecar_factory: Callable[..., SidecarProcess],
 ) -> None:
     # The trainer committed its notice save and exited; the kubelet stops the sidecar at once.
     sc = sidecar_factory(env={"BATON_SIDECAR_LINGER": "30"})
     ControlChannel(sc.control_dir).write_status(_committed("r-notice"))
-    assert sc.proc is not None
-    sc.proc.send_signal(15)
-    with pytest.raises(subprocess.TimeoutExpired):
-        sc.proc.wait(1.0)  # still there for the operator
+    _sigterm(sc)
+    _still_running_after(sc, 1.0)  # still there for the operator
     body = sc.status().json()  # the operator's poll
     assert (body["state"], body["request_id"], body["step"]) == ("committed", "r-notice", 40)
     assert _exited_within(sc, 5.0) == 0  # read: no reason to stay
@@ -467,8 +478,7 @@ def test_after_sigterm_it_exits_at_once_when_nothing_is_unread(
     channel = ControlChannel(sc.control_dir)
     channel.write_status(_committed("r-old"))
     sc.status()  # the operator already read this outcome
-    assert sc.proc is not None
-    sc.proc.send_signal(15)
+    _sigterm(sc)
     assert _exited_within(sc, 5.0) == 0
 
 
@@ -477,15 +487,12 @@ def test_the_linger_is_bounded_and_a_second_sigterm_ends_it(
 ) -> None:
     bounded = sidecar_factory(env={"BATON_SIDECAR_LINGER": "1"})
     ControlChannel(bounded.control_dir).write_status(_committed("r-unread"))
-    assert bounded.proc is not None
-    bounded.proc.send_signal(15)
+    _sigterm(bounded)
     assert _exited_within(bounded, 6.0) == 0  # nobody read it: gone after ~1 s anyway
 
     impatient = sidecar_factory(env={"BATON_SIDECAR_LINGER": "60"})
     impatient.post_checkpoint({"deadline": _in(60), "reason": "x"})  # pending, never taken
-    assert impatient.proc is not None
-    impatient.proc.send_signal(15)
-    with pytest.raises(subprocess.TimeoutExpired):
-        impatient.proc.wait(1.0)
-    impatient.proc.send_signal(15)
+    _sigterm(impatient)
+    _still_running_after(impatient, 1.0)
+    _sigterm(impatient)
     assert _exited_within(impatient, 5.0) == 0
