@@ -3,9 +3,9 @@
 Why not ``safetensors.torch.save_file``: it serialises the whole file into one bytes object
 first (a full extra copy of the state) and hashes nothing. Here the header is built from
 metadata, then each tensor's bytes go straight from its memory to the storage writer in
-``block_size`` chunks, while a second thread computes the file's sha256 and a crc32 per block
-(hashlib and zlib release the GIL, so hashing overlaps the write). bf16 and other dtypes numpy
-lacks are written through uint8 views of the same memory.
+``block_size`` chunks, while two background threads compute the file's sha256 and a crc32 per
+block (hashlib and ``trainer_sdk._crc`` release the GIL, so hashing overlaps the write). bf16
+and other dtypes numpy lacks are written through uint8 views of the same memory.
 
 CUDA tensors are copied to the host one chunk at a time through two reusable pinned buffers,
 so a synchronous save of GPU state needs two chunks of host memory, not a copy of the state.
