@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 .PHONY: test venv build lint typecheck importlint pytest unit demo clean
 
 ## The test command: set up, build, lint, type-check and run the whole suite.
-test: venv build lint typecheck importlint pytest
+test: build lint typecheck importlint pytest
 
 ## .venv/ with the project (editable) and its dev extra; reinstalled when pyproject.toml changes.
 venv: $(VENV)/.installed
@@ -27,12 +27,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
 	@touch $@
 
-## What the tests need beyond Python: the local Kubernetes cluster and Helm (both built from
+## Everything the tests need, set up side by side: .venv/ (the Python packages download and
+## install while the Go builds compile), the local Kubernetes cluster and Helm (both built from
 ## Go modules, cached by content hash), and Debian's Prometheus (server + promtool).
-build: venv
-	tests/cluster/build.sh
-	tools/helm/build.sh
-	tools/prometheus.sh
+## Each part prints its progress prefixed with its name; one failed part fails the build.
+## A warm run does no work: every part checks its cache or stamp and returns at once.
+## To add a part: one name in SETUP_PARTS and one setup-NAME line below.
+SETUP_PARTS := venv cluster helm prometheus
+setup-venv: ; @tools/setup-part.sh venv $(MAKE) --no-print-directory $(VENV)/.installed
+setup-cluster: ; @tools/setup-part.sh cluster tests/cluster/build.sh
+setup-helm: ; @tools/setup-part.sh helm tools/helm/build.sh
+setup-prometheus: ; @tools/setup-part.sh prometheus tools/prometheus.sh
+
+.PHONY: $(addprefix setup-,$(SETUP_PARTS))
+build:
+	@echo "==> setting up, side by side: $(SETUP_PARTS)"
+	@start=$$SECONDS; \
+	$(MAKE) --no-print-directory -j$(words $(SETUP_PARTS)) $(addprefix setup-,$(SETUP_PARTS)); \
+	echo "==> set-up complete in $$((SECONDS - start))s"
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -45,7 +57,7 @@ importlint: venv
 	$(VENV)/bin/lint-imports
 
 ## All tests, including the `cluster` and `e2e` markers. pytest's exit 5 (nothing collected) fails.
-pytest: venv build
+pytest: build
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)"; exit 1; fi; \
 	exit $$rc
@@ -57,7 +69,7 @@ unit: venv
 ## The main job: the local spot-preemption demo (docs/demo.md). Options go in DEMO_ARGS, e.g.
 ## make demo DEMO_ARGS="--provider gke --preemptions 2"; the report lands in demo-out/.
 DEMO_ARGS ?=
-demo: venv build
+demo: build
 	$(PY) examples/demo/run.py $(DEMO_ARGS)
 
 clean:
