@@ -1,15 +1,25 @@
-"""A real S3 server for tests (moto's server mode) and a fault-injecting HTTP proxy in front of it.
+"""Real S3 servers for tests, and a fault-injecting HTTP proxy that can stand in front of either.
+
+Two servers, one per session each, and the S3 tests run against both (the fixture is
+parametrized): moto's server mode, a correctness fake that is quick to start, and versitygw
+(the Versity S3 gateway, Apache-2.0, POSIX backend), a production S3 implementation that is
+stricter than moto (it checks SigV4 signatures, checksums and part sizes as S3 does) and fast
+enough to measure. versitygw is built from Go modules by ``tools/versitygw/build.sh`` (cached
+by content hash; ``make build`` builds it).
 
 Why a proxy rather than patched clients: the SDK's retry and abort logic must be exercised by the
 same botocore code paths that meet a real S3 in production (HTTP status codes, S3 XML error
 bodies, read timeouts, dropped connections). The proxy speaks plain HTTP/1.1 with keep-alive,
-forwards every request to moto unchanged, and answers selected requests with a fault instead.
+forwards every request to the server unchanged (signed headers included, so the server still
+checks the signature), and answers selected requests with a fault instead.
 
 Fixtures (registered through ``pytest_plugins`` in ``tests/conftest.py``):
 
-* ``moto_s3`` (session): one ``python -m moto.server`` subprocess on a free 127.0.0.1 port.
-* ``s3_bucket`` (function): a fresh bucket on it, with ``AWS_ENDPOINT_URL_S3`` and fake
-  credentials set in the environment; direct access, no faults.
+* ``s3_server`` (session, parametrized ``moto`` / ``versitygw``): the server under test.
+* ``moto_s3`` / ``versitygw_s3`` (session): each server alone, started on first use.
+* ``s3_bucket`` (function): a fresh bucket on ``s3_server``, with ``AWS_ENDPOINT_URL_S3`` and
+  the test credentials set in the environment; direct access, no faults.
+* ``versitygw_bucket`` (function): the same on versitygw only, for what moto does not check.
 * ``s3_faults`` (function): like ``s3_bucket``, but ``AWS_ENDPOINT_URL_S3`` points at a
   :class:`FaultProxy`; tests add :class:`Fault` rules and read the proxy's request log.
 """
@@ -22,35 +32,53 @@ import hashlib
 import http.client
 import itertools
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Literal
 
 import boto3
+import botocore.config
 import pytest
 
 __all__ = [
+    "SERVER_KINDS",
     "Fault",
     "FaultProxy",
     "MotoServer",
     "S3Bucket",
+    "S3Server",
     "Seen",
+    "ServerKind",
+    "VersityServer",
     "classify",
     "moto_s3",
     "s3_bucket",
     "s3_faults",
+    "s3_server",
+    "start_server",
+    "versitygw_binary",
+    "versitygw_bucket",
+    "versitygw_s3",
 ]
 
 FAKE_KEY_ID = "testing-key-id"
-FAKE_SECRET = "testing-secret"  # moto accepts any credentials
+FAKE_SECRET = "testing-secret"  # moto accepts any credentials; versitygw's root account is this
 REGION = "us-east-1"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VERSITYGW_BUILD = REPO_ROOT / "tools" / "versitygw" / "build.sh"
+
+ServerKind = Literal["moto", "versitygw"]
+SERVER_KINDS: tuple[ServerKind, ...] = ("moto", "versitygw")
 
 Action = Literal["error", "stall", "drop_response", "reset", "truncate_body", "stall_body"]
 
@@ -71,8 +99,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class MotoServer:
-    """``python -m moto.server`` in a subprocess (its own GIL, so client timings are honest)."""
+def versitygw_binary() -> str:
+    """The versitygw binary built by ``tools/versitygw/build.sh`` (instant once cached)."""
+    result = subprocess.run(
+        [str(VERSITYGW_BUILD)], capture_output=True, text=True, timeout=3600, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"tools/versitygw/build.sh failed (exit {result.returncode}); it needs Go 1.26+ and "
+            f"the Go module proxy once (run `make build`):\n{result.stderr[-4000:]}"
+        )
+    return result.stdout.strip().splitlines()[-1]
+
+
+class S3Server:
+    """An S3 server in a subprocess (its own GIL, so client timings are honest) on a free
+    127.0.0.1 port, reached with path-style requests and the test credentials."""
+
+    kind: ServerKind
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,26 +126,40 @@ class MotoServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def _ready(self) -> bool:
+        """Whether the server answers (called until it does, or the start times out)."""
+        raise NotImplementedError
+
+    def _cleanup(self) -> None:
+        """Remove what the server left behind (after it stopped)."""
+
     def start(self, timeout: float = 60.0) -> None:
         # Another process may take the port between probing and binding; retry a few times.
         for _ in range(5):
             self.port = _free_port()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                self._command(),
+                env=self._env(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 with contextlib.suppress(OSError):
-                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                    conn.request("GET", "/moto-api/data.json")
-                    if conn.getresponse().status == 200:
-                        conn.close()
+                    if self._ready():
                         return
                 time.sleep(0.1)
             self.stop()
-        raise RuntimeError("moto server did not start: is moto[server] installed in the venv?")
+        raise RuntimeError(f"the {self.kind} S3 server did not start: {self._start_hint()}")
+
+    def _start_hint(self) -> str:
+        return "see its command line in tests/baton_testing/s3.py"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -112,16 +170,99 @@ class MotoServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        self._cleanup()
 
-    def client(self) -> Any:
-        """A boto3 S3 client straight to moto (no proxy, no faults)."""
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client straight to the server (no proxy, no faults)."""
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             region_name=REGION,
             aws_access_key_id=FAKE_KEY_ID,
             aws_secret_access_key=FAKE_SECRET,
+            config=botocore.config.Config(s3={"addressing_style": "path"}, **config),
         )
+
+
+class MotoServer(S3Server):
+    """``python -m moto.server``: a correctness fake, quick to start, about 100 MiB/s."""
+
+    kind: ServerKind = "moto"
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/moto-api/data.json")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    def _start_hint(self) -> str:
+        return "is moto[server] installed in the venv?"
+
+
+class VersityServer(S3Server):
+    """versitygw with its POSIX backend on a fresh temporary directory (buckets are
+    directories, metadata in xattrs): a production S3 implementation that checks signatures,
+    checksums and part sizes. The test credentials are its root account."""
+
+    kind: ServerKind = "versitygw"
+
+    def __init__(self, binary: str | None = None, root: str | None = None) -> None:
+        super().__init__()
+        self.binary = binary
+        self._own_root = root is None
+        self.root = root or ""
+
+    def _command(self) -> list[str]:
+        if self.binary is None:
+            self.binary = versitygw_binary()
+        if not self.root:
+            self.root = tempfile.mkdtemp(prefix="baton-versitygw-")
+        return [
+            self.binary,
+            "--port",
+            f"127.0.0.1:{self.port}",
+            "--region",
+            REGION,
+            "--keep-alive",  # off by default: every request would open a new connection
+            "--quiet",
+            "--health",
+            "/baton-health",
+            "posix",
+            self.root,
+        ]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(ROOT_ACCESS_KEY=FAKE_KEY_ID, ROOT_SECRET_KEY=FAKE_SECRET)
+        return env
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/baton-health")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    def _start_hint(self) -> str:
+        return f"run {self.binary} by hand to see why (the data directory is {self.root})"
+
+    def _cleanup(self) -> None:
+        if self._own_root and self.root:
+            shutil.rmtree(self.root)
+            self.root = ""
+
+
+def start_server(kind: ServerKind) -> S3Server:
+    """A started S3 server of ``kind``; the caller stops it."""
+    server: S3Server = MotoServer() if kind == "moto" else VersityServer()
+    server.start()
+    return server
 
 
 def classify(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
@@ -365,7 +506,8 @@ class _ProxyServer(ThreadingHTTPServer):
 
 
 class FaultProxy:
-    """A threaded HTTP proxy on 127.0.0.1 that forwards to moto and injects :class:`Fault` s."""
+    """A threaded HTTP proxy on 127.0.0.1 that forwards to an S3 server and injects
+    :class:`Fault` s."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -418,13 +560,15 @@ class FaultProxy:
 
 @dataclass(kw_only=True)
 class S3Bucket:
-    """A fresh bucket on the moto server, and how the code under test reaches it."""
+    """A fresh bucket on the session's S3 server, and how the code under test reaches it."""
 
     name: str
     endpoint: str
-    """What ``AWS_ENDPOINT_URL_S3`` is set to (moto itself, or the fault proxy)."""
+    """What ``AWS_ENDPOINT_URL_S3`` is set to (the server itself, or the fault proxy)."""
     client: Any
-    """A boto3 client straight to moto, for setting up and checking (never faulted)."""
+    """A boto3 client straight to the server, for setting up and checking (never faulted)."""
+    server: ServerKind
+    """Which S3 server holds the bucket ("moto" or "versitygw")."""
     proxy: FaultProxy | None = None
 
     def uri(self, prefix: str = "ckpt") -> str:
@@ -449,15 +593,48 @@ class S3Bucket:
 _bucket_ids = itertools.count()
 
 
+class _Servers:
+    """At most one server of each kind per test session, started on first use."""
+
+    def __init__(self) -> None:
+        self._servers: dict[ServerKind, S3Server] = {}
+
+    def get(self, kind: ServerKind) -> S3Server:
+        if kind not in self._servers:
+            self._servers[kind] = start_server(kind)
+        return self._servers[kind]
+
+    def stop_all(self) -> None:
+        while self._servers:
+            self._servers.popitem()[1].stop()
+
+
 @pytest.fixture(scope="session")
-def moto_s3() -> Iterator[MotoServer]:
-    """One moto S3 server (a subprocess) for the whole test session."""
-    server = MotoServer()
-    server.start()
+def _s3_servers() -> Iterator[_Servers]:
+    servers = _Servers()
     try:
-        yield server
+        yield servers
     finally:
-        server.stop()
+        servers.stop_all()
+
+
+@pytest.fixture(scope="session", params=SERVER_KINDS)
+def s3_server(request: pytest.FixtureRequest, _s3_servers: _Servers) -> S3Server:
+    """The S3 server under test: every test that uses it runs against moto and versitygw."""
+    kind: ServerKind = request.param
+    return _s3_servers.get(kind)
+
+
+@pytest.fixture(scope="session")
+def moto_s3(_s3_servers: _Servers) -> S3Server:
+    """The session's moto server alone."""
+    return _s3_servers.get("moto")
+
+
+@pytest.fixture(scope="session")
+def versitygw_s3(_s3_servers: _Servers) -> S3Server:
+    """The session's versitygw server alone."""
+    return _s3_servers.get("versitygw")
 
 
 def _set_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
@@ -472,15 +649,16 @@ def _set_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
 
-def _new_bucket(moto_s3: MotoServer) -> tuple[str, Any]:
+def _new_bucket(server: S3Server) -> tuple[str, Any]:
     name = f"baton-test-{os.getpid()}-{next(_bucket_ids)}"
-    client = moto_s3.client()
+    client = server.client()
     client.create_bucket(Bucket=name)
     return name, client
 
 
 def _drop_bucket(client: Any, name: str) -> None:
-    """Empty and delete a test's bucket: moto keeps every byte in memory for the session."""
+    """Empty and delete a test's bucket: moto keeps every byte in memory for the session, and
+    versitygw keeps them on disk."""
     for up in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
         client.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
     paginator = client.get_paginator("list_objects_v2")
@@ -491,26 +669,38 @@ def _drop_bucket(client: Any, name: str) -> None:
     client.delete_bucket(Bucket=name)
 
 
-@pytest.fixture
-def s3_bucket(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
-    """A fresh bucket; the AWS env vars point boto3 straight at moto."""
-    name, client = _new_bucket(moto_s3)
-    _set_env(monkeypatch, moto_s3.endpoint)
+def _bucket_on(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    name, client = _new_bucket(server)
+    _set_env(monkeypatch, server.endpoint)
     try:
-        yield S3Bucket(name=name, endpoint=moto_s3.endpoint, client=client)
+        yield S3Bucket(name=name, endpoint=server.endpoint, client=client, server=server.kind)
     finally:
         _drop_bucket(client, name)
 
 
 @pytest.fixture
-def s3_faults(moto_s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    """A fresh bucket; the AWS env vars point boto3 straight at the server."""
+    yield from _bucket_on(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def versitygw_bucket(versitygw_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    """Like ``s3_bucket``, on versitygw only: for what only a real server checks."""
+    yield from _bucket_on(versitygw_s3, monkeypatch)
+
+
+@pytest.fixture
+def s3_faults(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
     """A fresh bucket behind a :class:`FaultProxy`; the AWS env vars point at the proxy."""
-    name, client = _new_bucket(moto_s3)
-    proxy = FaultProxy(moto_s3.port)
+    name, client = _new_bucket(s3_server)
+    proxy = FaultProxy(s3_server.port)
     proxy.start()
     _set_env(monkeypatch, proxy.endpoint)
     try:
-        yield S3Bucket(name=name, endpoint=proxy.endpoint, client=client, proxy=proxy)
+        yield S3Bucket(
+            name=name, endpoint=proxy.endpoint, client=client, server=s3_server.kind, proxy=proxy
+        )
     finally:
         proxy.stop()
         _drop_bucket(client, name)

@@ -1,5 +1,6 @@
-"""trainer_sdk.save / load / latest_step through s3:// against a real S3 server (moto over
-HTTP), in one process and on 2 gloo ranks, and a save whose upload fails for good."""
+"""trainer_sdk.save / load / latest_step through s3:// against real S3 servers (moto and
+versitygw, over HTTP), in one process and on 2 gloo ranks, and a save whose upload fails for
+good."""
 
 from __future__ import annotations
 

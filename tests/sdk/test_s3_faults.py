@@ -1,5 +1,6 @@
-"""S3 faults produced for real: a proxy between boto3 and moto answers chosen requests with S3
-error responses, stalls past the client's read timeout, or drops connections."""
+"""S3 faults produced for real: a proxy between boto3 and the S3 server (moto, then versitygw)
+answers chosen requests with S3 error responses, stalls past the client's read timeout, or
+drops connections."""
 
 from __future__ import annotations
 
@@ -311,7 +312,8 @@ def test_first_failure_in_time_is_the_error_raised(s3_faults: S3Bucket) -> None:
 
 def test_upload_aborted_behind_the_writers_back(s3_faults: S3Bucket) -> None:
     """A lifecycle rule or another process aborted the upload: S3 answers 404 NoSuchUpload
-    (moto answers 500 there, hence the proxy), and the error says what happened."""
+    (moto answers 500 there, hence the proxy, so that both servers give the same answer), and
+    the error says what happened."""
     proxy = _proxy(s3_faults)
     proxy.add(Fault(op="CompleteMultipartUpload", status=404, code="NoSuchUpload"))
     st = S3Storage.from_uri(s3_faults.uri(), config=FAST)

@@ -1,4 +1,5 @@
-"""S3Storage against a real S3 server (moto, over HTTP): the storage protocol's behaviour."""
+"""S3Storage against real S3 servers over HTTP (each test runs on moto and on versitygw): the
+storage protocol's behaviour."""
 
 from __future__ import annotations
 
@@ -360,3 +361,16 @@ def test_read_into_random_ranges_exact(s3_bucket: S3Bucket) -> None:
         out = bytearray(length)
         st.read_into("blob", offset, memoryview(out))
         assert out == data[offset : offset + length], (offset, length)
+
+
+def test_wrong_secret_names_the_fix(
+    versitygw_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real server checks the SigV4 signature (moto accepts any credentials): a wrong secret
+    is refused, and the error says which variables to check."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    st = S3Storage.from_uri(versitygw_bucket.uri(), config=SMALL)
+    with pytest.raises(StorageError, match="AWS_SECRET_ACCESS_KEY") as info:
+        st.write_atomic("latest", b"{}")
+    assert "not-the-secret" not in str(info.value)  # never echo credentials
+    assert versitygw_bucket.keys() == []

@@ -202,18 +202,19 @@ def translate(e: BaseException, *, action: str, uri: str, bucket: str, endpoint:
         )
     if is_not_found(e):
         return FileNotFoundError(errno.ENOENT, f"no such S3 object ({action})", uri)
+    # Before the 403 check: S3 answers a bad signature or an unknown key with 403 too.
+    if code in _CREDENTIAL_CODES:
+        return StorageError(
+            f"S3 rejected the credentials while trying to {action} {uri}: check "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or refresh AWS_SESSION_TOKEN / the "
+            f"workload identity) [{describe(e)}]"
+        )
     if code in {"AccessDenied", "AllAccessDisabled"} or status == 403:
         return StorageError(
             f"access denied to {action} {uri}: grant the checkpoint role the S3 permissions "
             "listed in docs/s3.md (a missing s3:ListBucket also turns 'not found' into 403), "
             "or check which credentials are in use (AWS_PROFILE, AWS_ACCESS_KEY_ID, workload "
             f"identity) [{describe(e)}]"
-        )
-    if code in _CREDENTIAL_CODES:
-        return StorageError(
-            f"S3 rejected the credentials while trying to {action} {uri}: check "
-            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or refresh AWS_SESSION_TOKEN / the "
-            f"workload identity) [{describe(e)}]"
         )
     if isinstance(e, bce.NoCredentialsError | bce.PartialCredentialsError):
         return StorageError(
