@@ -51,7 +51,7 @@ from baton_testing.cluster import (  # noqa: E402
     Provider,
     build_localcluster,
 )
-from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer  # noqa: E402
+from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer  # noqa: E402
 
 TRAIN = ROOT / "examples" / "tinylm" / "train.py"
 CHART = ROOT / "charts" / "baton"
@@ -222,7 +222,7 @@ class Demo:
         self.work = self.out / "work"
         self.loss_log = self.out / "loss.jsonl"
         self.cluster: LocalCluster | None = None
-        self.s3: MotoServer | None = None
+        self.s3: VersityServer | None = None
         self.helm = ""
         self.bucket = "baton-demo"
         self.interruptions: list[Interruption] = []
@@ -294,7 +294,9 @@ class Demo:
             uri = str(self.work / "checkpoints" / JOB)
             say(f"storage: local filesystem at {uri}")
             return uri, []
-        self.s3 = MotoServer()
+        # versitygw, a production S3 server (built by tools/versitygw/build.sh), which checks
+        # signatures and checksums as S3 does; its data lives in a temporary directory.
+        self.s3 = VersityServer()
         self.s3.start()
         self.s3.client().create_bucket(Bucket=self.bucket)
         secret = {
@@ -305,7 +307,8 @@ class Demo:
         }
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(secret))
         say(
-            f"storage: S3 server at {self.s3.endpoint}, bucket {self.bucket}, Secret s3-credentials"
+            f"storage: versitygw S3 server at {self.s3.endpoint}, bucket {self.bucket}, "
+            "Secret s3-credentials"
         )
         env: list[dict[str, Any]] = [
             {"name": "AWS_ENDPOINT_URL_S3", "value": self.s3.endpoint},
@@ -703,7 +706,7 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
         "# Baton demo report",
         "",
         f"- job: 2-rank tinylm, {cfg.steps} steps, checkpoints every {cfg.every_steps} steps "
-        f"in {'S3 (moto server)' if cfg.storage == 's3' else 'the local filesystem'}",
+        f"in {'S3 (versitygw server)' if cfg.storage == 's3' else 'the local filesystem'}",
         f"- interruption: {'kill-node (no notice)' if cfg.kill_node else cfg.provider + ' notice'}"
         f" x {cfg.preemptions}",
         f"- final phase: **{status.get('phase')}** (preemptions {status.get('preemptions')}, "
