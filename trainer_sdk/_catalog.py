@@ -3,11 +3,36 @@
 Shared by :mod:`trainer_sdk.api` and the CLI (which must start fast and work without torch).
 A step is *complete* when its ``manifest.json`` exists and passes validation; anything else
 in a step directory is invisible to readers.
+
+Errors fall into two kinds (the list is in ``docs/format.md``):
+
+* *the checkpoint is bad*: the manifest fails validation (:class:`ManifestError`), or a file
+  fails its checksum or size (:class:`CorruptCheckpointError`). Readers skip the step with a
+  WARNING that names the file and the reason, and use the next older complete one.
+* *it cannot be read now, or not by this version*: a permission or I/O error, a storage
+  failure after every retry, a newer format version, an unknown dtype
+  (:class:`UnreadableCheckpointError`). The step may be good: it is raised, never skipped.
+
+Fencing: every manifest records its writer's *attempt*, and ``fence`` at the root holds the
+newest attempt that has started writing. A step whose attempt is older than the attempt of an
+older committed step was committed by a stale writer after a newer attempt took over; readers
+ignore it (they follow the newest lineage).
 """
 
 from __future__ import annotations
 
-from trainer_sdk.errors import CheckpointError, IncompleteCheckpointError, ManifestError
+import json
+import logging
+from typing import Final
+
+from trainer_sdk.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StorageError,
+    UnreadableCheckpointError,
+)
 from trainer_sdk.layout import (
     LATEST,
     MANIFEST,
@@ -20,21 +45,49 @@ from trainer_sdk.layout import (
 from trainer_sdk.storage import Storage
 
 __all__ = [
+    "FENCE",
+    "complete_steps",
     "is_complete",
     "latest_hint",
+    "manifest_absent",
     "manifest_key",
+    "newest_attempt",
     "newest_complete",
+    "read_fence",
     "read_manifest",
     "step_dirs",
+    "unreadable",
 ]
+
+log = logging.getLogger("trainer_sdk.catalog")
+
+FENCE: Final = "fence"
+"""``{"attempt": N}``: the newest attempt that has started writing under this root."""
 
 
 def manifest_key(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST}"
 
 
+def unreadable(e: BaseException, step: int | None, what: str) -> UnreadableCheckpointError:
+    """An :class:`UnreadableCheckpointError` for an I/O or storage failure, naming the fix."""
+    where = f"step {step}" if step is not None else "the checkpoint root"
+    return UnreadableCheckpointError(
+        f"{where} cannot be read now ({what}: {type(e).__name__}: {e}). It may well be "
+        "good, so it was neither skipped nor deleted: fix the cause (file permissions, the "
+        "filesystem or the object store, credentials) and restart; to discard the step on "
+        "purpose, delete it with trainer_sdk.delete_step()",
+        step=step,
+    )
+
+
 def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of ``step``; IncompleteCheckpointError if it never committed."""
+    """The validated manifest of ``step``.
+
+    Raises :class:`IncompleteCheckpointError` if it never committed (no manifest object),
+    :class:`ManifestError` if the manifest is bad, :class:`UnreadableCheckpointError` if it
+    cannot be read now or by this version.
+    """
     key = manifest_key(step)
     try:
         size = storage.size(key)
@@ -46,7 +99,18 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
             f"step {step} under {storage.uri} has no manifest: it never committed (load an "
             "older step, or cleanup_incomplete() it)"
         ) from e
+    except (OSError, StorageError) as e:
+        raise unreadable(e, step, f"reading {key}") from e
     return Manifest.parse(data, step=step, path=key)
+
+
+def manifest_absent(storage: Storage, step: int) -> bool:
+    """Whether ``step`` has no manifest object at all (an I/O failure raises, never "absent")."""
+    key = manifest_key(step)
+    try:
+        return not storage.exists(key)
+    except (OSError, StorageError) as e:
+        raise unreadable(e, step, f"checking {key}") from e
 
 
 def step_dirs(storage: Storage) -> list[int]:
@@ -56,18 +120,83 @@ def step_dirs(storage: Storage) -> list[int]:
 
 
 def is_complete(storage: Storage, step: int) -> bool:
+    """Whether ``step`` has a valid manifest. A bad manifest is not complete; a manifest that
+    cannot be read now or by this version raises :class:`UnreadableCheckpointError`."""
     try:
         read_manifest(storage, step)
-    except (CheckpointError, OSError):
+    except (IncompleteCheckpointError, ManifestError, CorruptCheckpointError):
         return False
     return True
 
 
+def complete_steps(storage: Storage, *, warn: bool = False) -> dict[int, Manifest]:
+    """Every complete step of the newest lineage, with its manifest, ascending.
+
+    Bad manifests are skipped (with a WARNING naming the file and the reason when ``warn``);
+    an unreadable one raises. Steps committed by a stale attempt after a newer attempt had
+    committed an older step are left out (see the module docstring).
+    """
+    out: dict[int, Manifest] = {}
+    for s in step_dirs(storage):
+        try:
+            out[s] = read_manifest(storage, s)
+        except IncompleteCheckpointError:
+            continue
+        except (ManifestError, CorruptCheckpointError) as e:
+            if warn:
+                log.warning("checkpoint step %d is bad and is skipped: %s", s, e)
+            continue
+    lineage: dict[int, Manifest] = {}
+    top = 0
+    for s, m in out.items():
+        if m.attempt < top:
+            if warn:
+                log.warning(
+                    "checkpoint step %d was committed by attempt %d after attempt %d had "
+                    "taken over (a stale writer); it is ignored",
+                    s,
+                    m.attempt,
+                    top,
+                )
+            continue
+        top = m.attempt
+        lineage[s] = m
+    return lineage
+
+
 def newest_complete(storage: Storage) -> int | None:
-    for s in reversed(step_dirs(storage)):
-        if is_complete(storage, s):
-            return s
-    return None
+    """The newest complete step of the newest lineage; bad steps are skipped with a WARNING,
+    an unreadable one raises (never fall back silently past a step that may be good)."""
+    steps = complete_steps(storage, warn=True)
+    return max(steps) if steps else None
+
+
+def read_fence(storage: Storage) -> tuple[int, str | None]:
+    """(attempt in ``fence``, its version token); (0, None) when there is none."""
+    try:
+        data, token = storage.read_versioned(FENCE)
+    except FileNotFoundError:
+        return 0, None
+    except (OSError, StorageError) as e:
+        raise unreadable(e, None, f"reading {FENCE}") from e
+    try:
+        obj = json.loads(data[:4096])
+        attempt = obj["attempt"] if isinstance(obj, dict) else None
+    except ValueError:
+        attempt = None
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise ManifestError(
+            f'{FENCE} is not {{"attempt": N}}; delete it if no other writer is running',
+            path=FENCE,
+        )
+    return attempt, token
+
+
+def newest_attempt(storage: Storage) -> int:
+    """The newest attempt that has started writing or committed under this root (0: none)."""
+    fence, _ = read_fence(storage)
+    committed = complete_steps(storage)
+    return max([fence, *(m.attempt for m in committed.values())])
 
 
 def latest_hint(storage: Storage) -> int | None:

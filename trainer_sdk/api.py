@@ -23,9 +23,11 @@ work), straight into the destination tensors, verifying a crc32 per block as it 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import logging
 import math
 import re
 import sys
@@ -59,6 +61,10 @@ from trainer_sdk.errors import (
     IncompleteCheckpointError,
     ManifestError,
     RankFailedError,
+    StorageError,
+    SupersededError,
+    UnreadableCheckpointError,
+    UnsupportedFormatError,
 )
 from trainer_sdk.layout import (
     BLOCK_SIZE,
@@ -94,19 +100,26 @@ __all__ = [
     "RankRecord",
     "SaveInfo",
     "SavePlan",
+    "classify_load_error",
     "cleanup_incomplete",
     "commit",
+    "complete_steps",
     "delete_step",
     "flatten",
     "iter_tensors",
     "latest_step",
     "list_steps",
     "load",
+    "newest_attempt",
     "plan_save",
     "read_manifest",
+    "register_attempt",
     "save",
+    "step_dirs",
     "write_rank",
 ]
+
+log = logging.getLogger("trainer_sdk.api")
 
 # Markers in the JSON tree. User dict keys may not start with "__baton_".
 _TENSOR: Final = "__baton_tensor__"
@@ -152,6 +165,10 @@ class LoadInfo:
     missing_rank_local: list[str] = field(default_factory=list)
     """Paths of RankLocal values this rank did not get (its rank did not exist at save time);
     they were left as they were."""
+    saved_torch_version: str = ""
+    """The torch version that wrote the step (the manifest's ``torch_version``)."""
+    saved_attempt: int = 0
+    """The attempt that committed the step (the manifest's ``attempt``)."""
 
 
 # ------------------------------------------------------------------------------ flatten
@@ -509,6 +526,7 @@ def commit(
     timeout: float = 600.0,
     block_size: int = BLOCK_SIZE,
     extra: Mapping[str, Any] | None = None,
+    attempt: int | None = None,
 ) -> Manifest:
     """Phase 4: agree on the outcome; rank 0 writes the manifest (the commit), then ``latest``.
 
@@ -517,6 +535,13 @@ def commit(
     manifest on every rank, or raises on every rank: :class:`RankFailedError` naming the
     failing ranks, or :class:`CollectiveTimeoutError` if a rank never arrived in ``timeout``
     seconds. No manifest is written unless every rank reported success.
+
+    ``attempt`` is the writer's attempt (fencing): if a newer attempt has started or committed
+    under this root, nothing is committed and every rank raises :class:`SupersededError`.
+    None: no fencing, the manifest records the newest committed attempt (plain ``save()``).
+    The manifest is created only if none is there yet (``If-None-Match: *`` on S3, ``link``
+    on a filesystem). Once it is written the step is committed: a failure to move ``latest``
+    afterwards is logged as a warning and the save still succeeds.
     """
     rank, world = group_rank_world(process_group)
     own = record.to_json() if isinstance(record, RankRecord) else _error_json(rank, record)
@@ -540,23 +565,70 @@ def commit(
     outcome: dict[str, Any] = {"ok": True}
     if rank == 0:
         try:
-            data = manifest.to_json_bytes()
-            Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
-            storage.write_atomic(_manifest_key(step), data)
-            _update_latest(storage, step)
+            manifest = _commit_manifest(storage, manifest, attempt)
         except Exception as e:  # reported to every rank below
             outcome = _error_json(0, e)
+            if isinstance(e, SupersededError):
+                outcome.update(superseded=[e.attempt, e.newer], msg=str(e))
             if world == 1:
                 raise
+        else:
+            try:
+                _update_latest(storage, step)
+            except Exception as e:  # the step is committed; latest is only a hint
+                log.warning(
+                    "step %d is committed under %s, but moving %r to it failed (%s: %s); "
+                    "readers still find it (they list the manifests)",
+                    step,
+                    storage.uri,
+                    LATEST,
+                    type(e).__name__,
+                    e,
+                )
     if world > 1:
         outcome = broadcast_json(
-            outcome,
+            {**outcome, "attempt": manifest.attempt} if outcome.get("ok") else outcome,
             group=process_group,
             timeout=timeout,
             what=f"save of step {step}: confirming the commit",
         )
+        if outcome.get("ok") and rank != 0:
+            manifest = dataclasses.replace(manifest, attempt=int(outcome["attempt"]))
     if not outcome.get("ok"):
+        if "superseded" in outcome:
+            mine, newer = outcome["superseded"]
+            raise SupersededError(str(outcome["msg"]), attempt=int(mine), newer=int(newer))
         raise RankFailedError(rank=0, cause=f"writing the manifest: {outcome.get('error')}")
+    return manifest
+
+
+def _commit_manifest(storage: Storage, manifest: Manifest, attempt: int | None) -> Manifest:
+    """Rank 0's commit: fence check, then create the manifest exclusively. Returns the
+    manifest as written (with its attempt)."""
+    step = manifest.step
+    newest = _catalog.newest_attempt(storage)
+    if attempt is None:
+        attempt = newest
+    elif attempt < newest:
+        raise SupersededError(
+            f"step {step} was not committed: this writer is attempt {attempt}, but attempt "
+            f"{newest} of the job has since started writing under {storage.uri}. This process "
+            "is a stale copy (its node was probably partitioned and its pods replaced): stop "
+            "it. Nothing of the newer attempt was touched",
+            attempt=attempt,
+            newer=newest,
+        )
+    manifest = dataclasses.replace(manifest, attempt=attempt)
+    data = manifest.to_json_bytes()
+    Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
+    try:
+        storage.create_exclusive(_manifest_key(step), data)
+    except FileExistsError as e:
+        raise CheckpointError(
+            f"step {step} under {storage.uri} was committed by another writer at the same "
+            "time (its manifest is there and differs from ours); that commit stands. Two "
+            "trainers are writing to one checkpoint uri: give each run its own uri"
+        ) from e
     return manifest
 
 
@@ -565,13 +637,22 @@ def _manifest_key(step: int) -> str:
 
 
 def _update_latest(storage: Storage, step: int) -> None:
-    """Point ``latest`` at ``step`` unless it already names a newer step (it is a hint)."""
-    try:
-        current = parse_latest(storage.read_bytes(LATEST))
-    except FileNotFoundError:
-        current = None
-    if current is None or current <= step:
-        storage.write_atomic(LATEST, json.dumps({"step": step}).encode())
+    """Point ``latest`` at ``step`` unless it already names a newer step (it is a hint).
+
+    A compare-and-swap (``If-Match`` on S3, a locked compare on a filesystem), retried a few
+    times when another writer moved it in between, so ``latest`` never moves backwards.
+    """
+    for _ in range(5):
+        try:
+            data, token = storage.read_versioned(LATEST)
+            current = parse_latest(data)
+        except FileNotFoundError:
+            current, token = None, None
+        if current is not None and current > step:
+            return
+        if storage.replace_if(LATEST, json.dumps({"step": step}).encode(), token=token):
+            return
+    raise StorageError(f"{storage.uri}/{LATEST} kept changing under us; left as it is")
 
 
 # ------------------------------------------------------------------------------- save
@@ -585,6 +666,7 @@ def save(
     trigger: str = "periodic",
     process_group: Any = None,
     timeout: float = 600.0,
+    attempt: int | None = None,
 ) -> SaveInfo:
     """Save ``state`` as step ``step`` under ``uri``. Every rank of the group calls it.
 
@@ -617,11 +699,12 @@ def save(
         # Still take part in the commit, so that every rank learns who failed.
         return write_and_commit(
             storage, exc, {}, None, step=step, trigger=trigger, process_group=process_group,
-            timeout=timeout, started=t0, phases=phases,
+            timeout=timeout, started=t0, phases=phases, attempt=attempt,
         )  # fmt: skip
     return write_and_commit(
         storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
         process_group=process_group, timeout=timeout, started=t0, phases=phases,
+        attempt=attempt,
     )  # fmt: skip
 
 
@@ -638,6 +721,8 @@ def write_and_commit(
     started: float,
     flat: FlatState | None = None,
     phases: dict[str, float] | None = None,
+    attempt: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> SaveInfo:
     """Phases 3 and 4 together, with the rules every saver needs (sync, async, Checkpointer).
 
@@ -645,6 +730,7 @@ def write_and_commit(
     rank learns who failed; an error from the commit is chained to that rank's own error.
     ``plan`` may already be the exception an earlier phase raised. ``started`` is the
     ``time.perf_counter()`` at which the save began; ``phases`` has the earlier phases' times.
+    ``attempt`` and ``extra`` go to :func:`commit` (fencing, and free-form manifest JSON).
     """
     phases = dict(phases or {})
     record: RankRecord | BaseException
@@ -664,7 +750,7 @@ def write_and_commit(
     try:
         manifest = commit(
             storage, record, step=step, trigger=trigger, process_group=process_group,
-            timeout=timeout,
+            timeout=timeout, attempt=attempt, extra=extra,
         )  # fmt: skip
     except BaseException as e:
         if isinstance(record, BaseException):
@@ -699,9 +785,12 @@ def _is_complete(storage: Storage, step: int) -> bool:
 
 
 def list_steps(uri: Location) -> list[int]:
-    """Every complete step (valid manifest) under ``uri``, ascending."""
-    storage = open_storage(uri)
-    return [s for s in _step_dirs(storage) if _is_complete(storage, s)]
+    """Every complete step (valid manifest, newest lineage) under ``uri``, ascending.
+
+    Raises :class:`UnreadableCheckpointError` if a manifest cannot be read now or by this
+    version (so a caller never mistakes a step that may be good for a missing one).
+    """
+    return sorted(_catalog.complete_steps(open_storage(uri)))
 
 
 def latest_step(uri: Location) -> int | None:
@@ -709,6 +798,8 @@ def latest_step(uri: Location) -> int | None:
 
     ``latest`` is only a hint: the step directories are listed and their manifests validated,
     newest first, so a ``latest`` that is stale or points at a broken step is never trusted.
+    A bad step is skipped with a WARNING; an unreadable one raises
+    :class:`UnreadableCheckpointError`.
     """
     return _catalog.newest_complete(open_storage(uri))
 
@@ -721,19 +812,82 @@ def delete_step(uri: Location, step: int) -> None:
 
 
 def cleanup_incomplete(uri: Location, *, older_than: int | None = None) -> list[str]:
-    """Delete step directories that have no valid manifest and are older than ``older_than``
-    (default: the newest complete step, so an in-progress save is never touched). Returns
-    the deleted directory names."""
+    """Delete step directories that are provably abandoned: no manifest object at all, and
+    older than ``older_than`` (default: the newest complete step, so an in-progress save is
+    never touched). A directory whose manifest is bad or cannot be read is kept (it may be
+    good, or be evidence). Only a writer should call this, after its own commit. Returns the
+    deleted directory names."""
     storage = open_storage(uri)
     limit = latest_step(storage) if older_than is None else older_than
     if limit is None:
         return []
     removed = []
     for s in _step_dirs(storage):
-        if s < limit and not _is_complete(storage, s):
+        if s < limit and _catalog.manifest_absent(storage, s):
             storage.delete_tree(step_dir(s))
             removed.append(step_dir(s))
     return removed
+
+
+def step_dirs(uri: Location) -> list[int]:
+    """Steps that have a directory under ``uri`` (complete or not), ascending."""
+    return _catalog.step_dirs(open_storage(uri))
+
+
+def complete_steps(uri: Location) -> dict[int, Manifest]:
+    """Every complete step of the newest lineage, with its manifest (see :func:`list_steps`)."""
+    return _catalog.complete_steps(open_storage(uri))
+
+
+def newest_attempt(uri: Location) -> int:
+    """The newest attempt that has started writing or committed under ``uri`` (0: none)."""
+    return _catalog.newest_attempt(open_storage(uri))
+
+
+def register_attempt(uri: Location, attempt: int | None) -> int:
+    """Record in ``fence`` that ``attempt`` starts writing under ``uri``; return the attempt.
+
+    ``attempt`` None (outside Kubernetes, no ``BATON_ATTEMPT``): derive a new generation, one
+    above the newest attempt seen under ``uri``. A compare-and-swap, so two writers starting
+    together get different generations and the fence never moves backwards. Raises
+    :class:`SupersededError` if a newer attempt has already started or committed.
+    """
+    storage = open_storage(uri)
+    for _ in range(20):
+        fence, token = _catalog.read_fence(storage)
+        committed = max((m.attempt for m in _catalog.complete_steps(storage).values()), default=0)
+        newest = max(fence, committed)
+        mine = newest + 1 if attempt is None else attempt
+        if mine < newest:
+            raise SupersededError(
+                f"this run is attempt {mine}, but attempt {newest} has already started writing "
+                f"under {storage.uri}: this process is a stale copy of the job, stop it. (If "
+                f"you reuse the uri for a new job on purpose, delete {storage.uri}/"
+                f"{_catalog.FENCE} first, or give the new job its own uri)",
+                attempt=mine,
+                newer=newest,
+            )
+        if mine == fence:
+            return mine
+        if storage.replace_if(_catalog.FENCE, json.dumps({"attempt": mine}).encode(), token=token):
+            return mine
+    raise StorageError(f"{storage.uri}/{_catalog.FENCE} kept changing under us; retry")
+
+
+def classify_load_error(e: BaseException) -> str:
+    """Which kind a load failure is: ``incomplete`` (no manifest: the step never committed),
+    ``bad`` (the checkpoint is corrupt or invalid: fall back to an older step), ``unreadable``
+    (it cannot be read now or by this version: raise, never fall back) or ``other`` (it does
+    not fit the live state). The list is in ``docs/format.md``."""
+    if isinstance(e, IncompleteCheckpointError):
+        return "incomplete"
+    if isinstance(e, UnreadableCheckpointError):
+        return "unreadable"
+    if isinstance(e, CorruptCheckpointError | ManifestError | EOFError):
+        return "bad"
+    if isinstance(e, OSError | StorageError):
+        return "unreadable"
+    return "other"
 
 
 # ------------------------------------------------------------------------------- load
@@ -1100,6 +1254,7 @@ def load(
             else {
                 "ok": False,
                 "type": type(err).__name__,
+                "kind": classify_load_error(err),
                 "msg": str(err),
                 "path": getattr(err, "path", None),
             }
@@ -1119,19 +1274,28 @@ def load(
                 raise IncompleteCheckpointError(msg) from err
             if o["type"] == "ManifestError":
                 raise ManifestError(msg) from err
+            if o.get("kind") == "unreadable":
+                cls = (
+                    UnsupportedFormatError
+                    if o["type"] == "UnsupportedFormatError"
+                    else UnreadableCheckpointError
+                )
+                raise cls(msg, step=step) from err
             raise CheckpointError(msg) from err
     assert info is not None
-    return LoadInfo(
-        step=info.step,
-        uri=info.uri,
-        seconds=time.perf_counter() - t0,
-        saved_world_size=info.saved_world_size,
-        resharded=info.resharded,
-        missing_rank_local=info.missing_rank_local,
-    )
+    return dataclasses.replace(info, seconds=time.perf_counter() - t0)
 
 
 def _load_local(
+    state: dict[str, Any], storage: Storage, step: int, *, rank: int, world: int, strict: bool
+) -> LoadInfo:
+    try:
+        return _load_step(state, storage, step, rank=rank, world=world, strict=strict)
+    except (OSError, StorageError) as e:  # I/O, permissions, throttling after every retry
+        raise _catalog.unreadable(e, step, "loading it") from e
+
+
+def _load_step(
     state: dict[str, Any], storage: Storage, step: int, *, rank: int, world: int, strict: bool
 ) -> LoadInfo:
     manifest = read_manifest(storage, step)
@@ -1168,6 +1332,8 @@ def _load_local(
         saved_world_size=manifest.world_size,
         resharded=manifest.world_size != world,
         missing_rank_local=restorer.missing_rank_local,
+        saved_torch_version=manifest.torch_version,
+        saved_attempt=manifest.attempt,
     )
 
 

@@ -39,16 +39,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from trainer_sdk import api, rng
+from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import ControlChannel, State, Status
 from trainer_sdk.errors import (
     BatonError,
     CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    StorageError,
+    UnreadableCheckpointError,
 )
 from trainer_sdk.layout import step_dir
 from trainer_sdk.sampler import find_sampler
@@ -74,19 +72,22 @@ _ROUTINE_TRIGGERS: Final = frozenset({"periodic", "manual"})
 """Saves made by policy or by an explicit ``save()``, not for a notice."""
 _NO_STEP: Final = 10**12  # above every valid step number
 
-# Load verdicts, ordered so that the all-reduce MAX gives the worst.
+# Load verdicts, ordered so that the maximum over the ranks is the worst.
 _LOAD_OK: Final = 0
-_LOAD_FALL_BACK: Final = 1
-_LOAD_FATAL: Final = 2
-_FALLBACK_ERRORS: Final = (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    StorageError,
-    OSError,
-    EOFError,
-)
-"""A step that fails to load with one of these is damaged: try the next older one."""
+_LOAD_SKIP: Final = 1
+"""No manifest: the step never committed; silently not a candidate."""
+_LOAD_FALL_BACK: Final = 2
+"""The checkpoint is bad (checksum, truncation, invalid manifest): WARNING, next older step."""
+_LOAD_UNREADABLE: Final = 3
+"""It cannot be read now or by this version: raise, never fall back past it."""
+_LOAD_FATAL: Final = 4
+"""It does not fit this run (shapes, keys, settings): raise ResumeError."""
+_VERDICTS: Final = {
+    "incomplete": _LOAD_SKIP,
+    "bad": _LOAD_FALL_BACK,
+    "unreadable": _LOAD_UNREADABLE,
+    "other": _LOAD_FATAL,
+}
 
 
 class ResumeError(CheckpointError):
@@ -269,6 +270,10 @@ class Checkpointer:
         self._last_save_time = self._clock()
         self._last_saved_step: int | None = None
         self._last_committed: int | None = None
+        self._attempt: int | None = None
+        """This writer's attempt (rank 0 only; set by restore() or the first save)."""
+        self._resume_note: dict[str, Any] | None = None
+        """What the manifest of the next save records about the resume (world size change)."""
         self._status = Status(state=State.IDLE)
         self._status_lock = threading.Lock()
         self._last_beat = 0.0
@@ -281,18 +286,19 @@ class Checkpointer:
         """Load the newest complete checkpoint into the objects; return the step to continue
         from (0 when there is none).
 
-        A checkpoint that fails to load (corrupt or truncated file, bad manifest) is skipped
-        with a log line and the next older complete one is tried; every rank loads the same
-        step. ``BATON_RESUME_STEP`` (set by the operator) is checked against the step loaded:
-        see ``resume_fallback``.
+        Nothing is ever deleted here. A step that is *bad* (a checksum or size mismatch, a
+        manifest that fails validation) is skipped with a WARNING naming the file and the
+        reason, and the next older complete one is tried; a step that *cannot be read now or
+        by this version* (permissions, I/O, throttling after every retry, a newer format
+        version, an unknown dtype) raises :class:`~trainer_sdk.errors.UnreadableCheckpointError`
+        naming the step, the cause and the fix. Every rank loads the same step, and every
+        collective is bounded by ``timeout`` (a rank that never calls restore is named).
+        ``BATON_RESUME_STEP`` (set by the operator) is checked against the step loaded: see
+        ``resume_fallback``.
         """
         self._check_open()
         expected = _env_int("BATON_RESUME_STEP")
-        if self.rank == 0:
-            # Crashed saves leave step directories without a manifest; they never count. No
-            # rank saves before restore() returns, so every such directory is garbage now.
-            for name in api.cleanup_incomplete(self.storage, older_than=_NO_STEP):
-                log.info("removed incomplete checkpoint directory %s", name)
+        self._register_attempt()
         steps = self._agreed_steps()
         if not self._estimator.measured:
             self._probe()
@@ -302,14 +308,28 @@ class Checkpointer:
             verdict = _LOAD_OK
             try:
                 self._load(candidate)
-            except _FALLBACK_ERRORS as e:
-                error, verdict = e, _LOAD_FALL_BACK
-            except Exception as e:
+            except ResumeError as e:
                 error, verdict = e, _LOAD_FATAL
-            verdict = self._worst(verdict)
+            except Exception as e:
+                error, verdict = e, _VERDICTS[api.classify_load_error(e)]
+            verdict, who = self._worst(verdict, candidate)
             if verdict == _LOAD_OK:
                 loaded = candidate
                 break
+            if verdict == _LOAD_SKIP:
+                log.debug("step %d has no manifest (a save that never committed)", candidate)
+                continue
+            if verdict == _LOAD_UNREADABLE:
+                if isinstance(error, UnreadableCheckpointError):
+                    raise error
+                raise UnreadableCheckpointError(
+                    f"checkpoint step {candidate} under {self.config.uri} cannot be read now or "
+                    f"by this version on rank {who}: "
+                    f"{error or 'see that rank' + chr(39) + 's log'}. It was left intact and "
+                    "no older step was loaded (that would lose every step since): fix the "
+                    "cause and restart",
+                    step=candidate,
+                ) from error
             if verdict == _LOAD_FATAL:
                 # The checkpoint is readable but does not fit this run (other shapes, keys,
                 # settings, dataset). An older step would not fit better, and starting from
@@ -318,15 +338,16 @@ class Checkpointer:
                     raise error
                 raise ResumeError(
                     f"checkpoint step {candidate} under {self.config.uri} cannot be loaded into "
-                    f"this run: {error or 'another rank failed to load it (see its log)'}. The "
+                    f"this run: {error or f'rank {who} failed to load it (see its log)'}. The "
                     "checkpoint is left intact: build the model, optimizer, scheduler, sampler "
                     "and extra state like the run that saved it, or start a new run under "
                     "another uri"
                 ) from error
-            log.error(
-                "checkpoint step %d could not be loaded (%s); falling back to an older step",
+            log.warning(
+                "checkpoint step %d could not be loaded, it is bad (%s); falling back to an "
+                "older step (the bad step is kept for inspection)",
                 candidate,
-                error if error is not None else "another rank failed to load it",
+                error if error is not None else f"rank {who} failed to load it",
             )
         if expected is not None and (loaded is None or loaded < expected):
             msg = (
@@ -481,22 +502,41 @@ class Checkpointer:
             log.warning(
                 "step %d was saved by %d ranks and is loaded by %d: the data order continues "
                 "without skips or repeats, but the run is not bitwise equal to one that kept "
-                "its world size",
+                "its world size (recorded in the manifest of the next save)",
                 step,
                 info.saved_world_size,
                 self.world_size,
             )
+            self._resume_note = {
+                "resumed_from_step": step,
+                "saved_world_size": info.saved_world_size,
+                "world_size": self.world_size,
+            }
+        saved_torch = _major_minor(info.saved_torch_version)
+        if saved_torch != _major_minor(str(torch.__version__)):
+            log.warning(
+                "step %d was saved with torch %s and is loaded with torch %s: optimizer and "
+                "RNG state formats may differ between minor versions, and kernels may round "
+                "differently, so the resumed run may not be bitwise equal",
+                step,
+                info.saved_torch_version,
+                torch.__version__,
+            )
         meta = state["baton"]
-        saved_accum = meta.get("accumulation_steps")
-        if (
-            self.config.accumulation_steps is not None
-            and saved_accum is not None
-            and saved_accum != self.config.accumulation_steps
-        ):
+        # Undeclared means 1 (no accumulation) on both sides, so that a run that forgets to
+        # declare its setting is refused too: stored and compared, never assumed.
+        saved_accum = meta.get("accumulation_steps") or 1
+        accum = self.config.accumulation_steps or 1
+        if saved_accum != accum:
+            declared = (
+                f"declares accumulation_steps={accum}"
+                if self.config.accumulation_steps is not None
+                else "does not declare accumulation_steps (which means 1)"
+            )
             raise ResumeError(
                 f"checkpoint step {step} was trained with accumulation_steps={saved_accum}, "
-                f"this run declares {self.config.accumulation_steps}: resume with "
-                f"accumulation_steps={saved_accum}, or start a new run under another uri"
+                f"this run {declared}: resume with accumulation_steps={saved_accum}, or start "
+                "a new run under another uri"
             )
         if self.model is not None:
             from torch.distributed.checkpoint.state_dict import (
@@ -541,6 +581,8 @@ class Checkpointer:
         start = time.perf_counter()
         self._last_save_time = self._clock()
         self._last_saved_step = step
+        self._register_attempt()
+        extra = {"baton": {"resume": self._resume_note}} if self._resume_note else None
         if background:
             assert self._saver is not None
             # At most one save in flight: wait for (and raise the failure of) the previous.
@@ -554,7 +596,10 @@ class Checkpointer:
                 step=step,
                 trigger=trigger,
                 on_commit=self._after_commit,
+                attempt=self._attempt,
+                extra=extra,
             )
+            self._resume_note = None
             log.debug("step %d staged in %.3fs", step, handle.stage_seconds)
             return None
         self._drain()
@@ -562,8 +607,9 @@ class Checkpointer:
         info = api.write_and_commit(
             self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
             process_group=self._group, timeout=self.config.timeout.total_seconds(),
-            started=start,
+            started=start, attempt=self._attempt, extra=extra,
         )  # fmt: skip
+        self._resume_note = None
         self._after_commit(info, plan.nbytes)
         return info
 
@@ -573,7 +619,22 @@ class Checkpointer:
         self._estimator.record(rank_bytes, info.seconds)
         self._last_committed = info.step
         if self.rank == 0:
-            _retain(self.storage, committed=info.step, keep_last=self.config.keep_last)
+            try:
+                _retain(
+                    self.storage,
+                    committed=info.step,
+                    keep_last=self.config.keep_last,
+                    attempt=self._attempt,
+                )
+            except Exception as e:  # the step is committed; retention is tidying up only
+                log.warning(
+                    "step %d is committed, but deleting old checkpoints under %s failed "
+                    "(%s: %s); they are kept and retried after the next save",
+                    info.step,
+                    self.config.uri,
+                    type(e).__name__,
+                    e,
+                )
         if info.trigger in _ROUTINE_TRIGGERS:
             # A routine save is a finished save too: the sidecar's duration, phase and bytes
             # metrics (and the dashboards built on them) come from this status. No request
@@ -732,24 +793,41 @@ class Checkpointer:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    def _register_attempt(self) -> None:
+        """Rank 0 records this writer's attempt in the fence (once): ``BATON_ATTEMPT``, or a
+        generation derived from the uri's history outside Kubernetes."""
+        if self._attempt is not None or self.rank != 0:
+            return
+        self._attempt = api.register_attempt(self.storage, _env_int("BATON_ATTEMPT"))
+        log.info("writing under %s as attempt %d", self.config.uri, self._attempt)
+
     def _agreed_steps(self) -> list[int]:
-        steps = api.list_steps(self.storage) if self.rank == 0 else []
+        """Rank 0's list of step directories (complete or not), on every rank; bounded."""
+        steps = api.step_dirs(self.storage) if self.rank == 0 else []
         if self._group is None:
             return steps
-        count = torch.tensor([len(steps)], dtype=torch.int64)
-        dist.broadcast(count, src=_global_rank0(self._group), group=self._group)
-        buf = torch.tensor(steps if self.rank == 0 else [0] * int(count.item()), dtype=torch.int64)
-        if buf.numel():
-            dist.broadcast(buf, src=_global_rank0(self._group), group=self._group)
-        return [int(s) for s in buf.tolist()]
+        return [
+            int(s)
+            for s in broadcast_json(
+                steps,
+                group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+                what="restore: listing the checkpoints",
+            )
+        ]
 
-    def _worst(self, verdict: int) -> int:
-        """The worst load verdict of all ranks, so that every rank acts alike."""
+    def _worst(self, verdict: int, step: int) -> tuple[int, int]:
+        """The worst load verdict of all ranks and the first rank that has it; bounded."""
         if self._group is None:
-            return verdict
-        flag = torch.tensor([verdict], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
+            return verdict, self.rank
+        verdicts = all_gather_json(
+            verdict,
+            group=self._group,
+            timeout=self.config.timeout.total_seconds(),
+            what=f"restore: loading step {step}",
+        )
+        worst = max(int(v) for v in verdicts)
+        return worst, next(r for r, v in enumerate(verdicts) if int(v) == worst)
 
     def _probe(self) -> None:
         try:
@@ -817,22 +895,42 @@ def _unpack_rng(saved: dict[str, Any]) -> dict[str, Any]:
     return saved
 
 
-def _retain(storage: Storage, *, committed: int, keep_last: int) -> None:
-    """Delete complete steps beyond the newest ``keep_last``, and incomplete step directories
-    older than ``committed``, which crashed or failed saves left.
+def _retain(storage: Storage, *, committed: int, keep_last: int, attempt: int | None) -> None:
+    """Delete complete steps beyond the newest ``keep_last``, and step directories older than
+    ``committed`` that have no manifest object at all (crashed or failed saves).
 
     Called on rank 0 only after ``committed``'s manifest is written, so the newest complete
     checkpoint is never deleted, and never before its successor is durable. Only steps older
     than ``committed`` are touched: a newer directory may be a save that another rank has
-    already started (the next async save), and is not ours to judge.
+    already started (the next async save), and is not ours to judge. Fencing: if a newer
+    attempt than ``attempt`` has started under the uri, nothing is deleted, and a step
+    committed by a newer attempt is never deleted.
     """
-    complete = api.list_steps(storage)
+    if attempt is not None:
+        newest = api.newest_attempt(storage)
+        if newest > attempt:
+            log.warning(
+                "attempt %d of this job has started writing under %s: this (stale) attempt %d "
+                "deletes nothing there",
+                newest,
+                storage.uri,
+                attempt,
+            )
+            return
+    complete = api.complete_steps(storage)
     keep = set(sorted(complete)[-keep_last:]) | {committed}
-    for old in complete:
+    for old, manifest in complete.items():
         if old < committed and old not in keep:
+            if attempt is not None and manifest.attempt > attempt:
+                continue
             api.delete_step(storage, old)
     for name in api.cleanup_incomplete(storage, older_than=committed):
         log.info("removed incomplete checkpoint directory %s", name)
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    """("2", "13") of "2.13.0+cpu": the part of a torch version that changes formats."""
+    return tuple(version.split("+", maxsplit=1)[0].split(".")[:2])
 
 
 def _global_rank0(group: Any) -> int:

@@ -9,6 +9,13 @@ The split that matters to a caller is *what to do next*:
 * :class:`CollectiveTimeoutError` and :class:`RankFailedError`: a multi-rank save could not be
   agreed on. Every rank raises the same error, naming the rank(s) that failed and why. No
   manifest was written, so the previous step is still the newest complete one.
+* :class:`UnreadableCheckpointError`: a committed step exists but cannot be read *now* (a
+  permission or I/O error, throttling after every retry) or *by this version* of Baton
+  (:class:`UnsupportedFormatError`: a newer format version, an unknown dtype). The step may
+  well be good, so nothing falls back past it and nothing deletes it: the error names the
+  step, the cause and the fix.
+* :class:`SupersededError`: a newer attempt of the job has committed under the same URI; this
+  (stale) writer may neither commit nor delete there any more.
 * :class:`StorageError`: the storage backend failed for good (after its own retries).
 """
 
@@ -25,6 +32,9 @@ __all__ = [
     "ManifestError",
     "RankFailedError",
     "StorageError",
+    "SupersededError",
+    "UnreadableCheckpointError",
+    "UnsupportedFormatError",
 ]
 
 
@@ -63,6 +73,39 @@ class CorruptCheckpointError(CheckpointError):
 class IncompleteCheckpointError(CheckpointError):
     """The step directory has no valid manifest: the save never committed (for readers it does
     not exist). Load an older step, or ``cleanup_incomplete`` to remove it."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A committed step cannot be read now, or not by this version: it is *not* known to be bad.
+
+    ``restore()`` raises it instead of falling back to an older step (which would lose every
+    step since) and never deletes the step. ``step`` is the step (None when not yet known),
+    ``cause`` the underlying problem.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.step = step
+        self.path = path
+
+
+class UnsupportedFormatError(UnreadableCheckpointError):
+    """The checkpoint was written by a newer Baton (a newer format version, a dtype this
+    version does not know): upgrade trainer_sdk to read it."""
+
+
+class SupersededError(CheckpointError):
+    """A newer attempt of this job has committed under the same URI: this writer is stale.
+
+    Raised instead of committing (and retention is skipped), so that a trainer left running
+    on a partitioned node can never overwrite or delete the newer attempt's checkpoints.
+    ``attempt`` is this writer's attempt, ``newer`` the newest attempt seen under the URI.
+    """
+
+    def __init__(self, message: str, *, attempt: int, newer: int) -> None:
+        super().__init__(message)
+        self.attempt = attempt
+        self.newer = newer
 
 
 class CollectiveTimeoutError(CheckpointError):

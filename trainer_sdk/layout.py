@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from trainer_sdk.errors import ManifestError
+from trainer_sdk.errors import ManifestError, UnsupportedFormatError
 
 __all__ = [
     "BLOCK_SIZE",
@@ -255,6 +255,10 @@ class Manifest:
     files: Mapping[str, FileEntry]
     tensors: Mapping[str, TensorEntry]
     version: int = FORMAT_VERSION
+    attempt: int = 0
+    """The writer's attempt (``BATON_ATTEMPT``, or a generation derived outside Kubernetes);
+    0 for manifests written before attempts were recorded. A writer whose attempt is older
+    than the newest committed one refuses to commit (fencing, see ``docs/format.md``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form JSON for tools (never interpreted by the loader)."""
 
@@ -273,6 +277,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "baton_version": self.baton_version,
             "block_size": self.block_size,
+            "attempt": self.attempt,
             "files": {n: f.to_json() for n, f in self.files.items()},
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "extra": dict(self.extra),
@@ -292,6 +297,8 @@ class Manifest:
             return _parse_manifest(obj, step)
         except ManifestError as e:
             raise ManifestError(str(e), path=path) from None
+        except UnsupportedFormatError as e:
+            raise UnsupportedFormatError(str(e), step=step, path=path) from None
         except (TypeError, KeyError, ValueError, AttributeError) as e:
             raise ManifestError(f"malformed manifest ({type(e).__name__}: {e})", path=path) from e
 
@@ -324,11 +331,12 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
         raise ManifestError("manifest must be a JSON object")
     if obj.get("format") != FORMAT_NAME:
         raise ManifestError(f"not a {FORMAT_NAME} manifest (format={obj.get('format')!r})")
-    version = _int(obj, "version")
-    if version != FORMAT_VERSION:
-        raise ManifestError(
+    version = _int(obj, "version", lo=1)
+    if version > FORMAT_VERSION:
+        # Not a bad checkpoint: a newer writer's. Never fall back past it or delete it.
+        raise UnsupportedFormatError(
             f"format version {version} is not supported by this Baton (reads v{FORMAT_VERSION}); "
-            "upgrade trainer_sdk"
+            "upgrade trainer_sdk to the version that wrote it"
         )
     mstep = _int(obj, "step", hi=10**12 - 1)
     if step is not None and mstep != step:
@@ -373,6 +381,7 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         raise ManifestError("'extra' must be an object")
+    attempt = _int(obj, "attempt") if "attempt" in obj else 0
     return Manifest(
         version=version,
         step=mstep,
@@ -384,6 +393,7 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
         block_size=block_size,
         files=files,
         tensors=tensors,
+        attempt=attempt,
         extra=extra,
     )
 
@@ -397,8 +407,13 @@ def _parse_tensor(
     if kind not in _KINDS:
         raise ManifestError(f"tensor {key!r} has unknown kind {kind!r}")
     dtype = t["dtype"]
+    if not isinstance(dtype, str) or len(dtype) > 32:
+        raise ManifestError(f"tensor {key!r} has an invalid dtype {dtype!r}")
     if dtype not in DTYPE_SIZES:
-        raise ManifestError(f"tensor {key!r} has unknown dtype {dtype!r}")
+        raise UnsupportedFormatError(
+            f"tensor {key!r} has dtype {dtype!r}, which this Baton does not know; upgrade "
+            "trainer_sdk to the version that wrote the checkpoint"
+        )
     shape = _dims(t["shape"], f"tensor {key!r} shape")
     pieces_obj = t["pieces"]
     if not isinstance(pieces_obj, list):
@@ -414,6 +429,11 @@ def _parse_tensor(
         if fentry is None or fentry.data_start is None:
             raise ManifestError(f"{what} names {fname!r}, which is not a shard of this step")
         pdtype = p["dtype"]
+        if isinstance(pdtype, str) and len(pdtype) <= 32 and pdtype not in DTYPE_SIZES:
+            raise UnsupportedFormatError(
+                f"{what} has dtype {pdtype!r}, which this Baton does not know; upgrade "
+                "trainer_sdk to the version that wrote the checkpoint"
+            )
         if pdtype not in DTYPE_SIZES or (kind != "rank_local" and pdtype != dtype):
             raise ManifestError(f"{what} has dtype {pdtype!r}, the tensor has {dtype!r}")
         offsets = _dims(p["offsets"], f"{what} offsets")

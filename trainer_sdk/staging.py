@@ -237,11 +237,14 @@ def stage_and_commit(
     step: int,
     trigger: str,
     on_commit: Callable[[api.SaveInfo, int], None] | None = None,
+    attempt: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> AsyncSaveHandle[api.SaveInfo]:
     """Stage the tensors ``plan`` writes, then write and commit them in the background.
 
     Every rank of the saver's group calls it at the same step. ``on_commit(info, rank_bytes)``
     runs on the worker thread after the manifest is written (retention, status).
+    ``attempt`` and ``extra`` go to the commit (fencing, free-form manifest JSON).
     """
     t0 = time.perf_counter()
     live = flat.tensors()
@@ -253,7 +256,7 @@ def stage_and_commit(
     def work(staged: dict[str, torch.Tensor], tree: Any) -> api.SaveInfo:
         info = api.write_and_commit(
             storage, plan, staged, tree, step=step, flat=flat, trigger=trigger,
-            process_group=group, timeout=timeout, started=t0,
+            process_group=group, timeout=timeout, started=t0, attempt=attempt, extra=extra,
         )  # fmt: skip
         if on_commit is not None:
             on_commit(info, plan.nbytes)

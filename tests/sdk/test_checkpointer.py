@@ -209,7 +209,9 @@ def test_resume_step_from_the_operator(
     )
 
 
-def test_incomplete_step_directories_are_cleaned_and_never_loaded(tmp_path: Path) -> None:
+def test_incomplete_step_directories_are_never_loaded_and_only_a_commit_cleans_them(
+    tmp_path: Path,
+) -> None:
     model, opt = _model()
     with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
         _train(model, opt)
@@ -219,6 +221,10 @@ def test_incomplete_step_directories_are_cleaned_and_never_loaded(tmp_path: Path
     (crashed / "rank-00000-of-00001.safetensors").write_bytes(b"half a shard")
     with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
         assert ck.restore() == 1
+        # restore() never deletes: the directory may be a save another writer has in flight
+        assert (crashed / "rank-00000-of-00001.safetensors").exists()
+        _train(model, opt)
+        ck.save(8)  # a commit newer than it: now it is provably abandoned
     assert not crashed.exists()
 
 

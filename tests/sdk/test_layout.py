@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer_sdk.api import flatten
-from trainer_sdk.errors import ManifestError
+from trainer_sdk.errors import ManifestError, UnsupportedFormatError
 from trainer_sdk.layout import (
     FORMAT_NAME,
     Manifest,
@@ -91,7 +91,7 @@ def test_a_valid_manifest_round_trips() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda m: m.update(version=2), "not supported"),
+        (lambda m: m.update(version=0), "'version' must be an int in"),
         (lambda m: m.update(format="other"), "not a baton-checkpoint"),
         (lambda m: m.update(step=6), "says step 6"),
         (lambda m: m["files"].pop("rank-00000-of-00001.json"), "JSON file"),
@@ -113,6 +113,25 @@ def test_invalid_manifests_are_refused(mutate: Any, message: str) -> None:
     mutate(m)
     with pytest.raises(ManifestError, match=message):
         _parse(m)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: m.update(version=2), "format version 2 is not supported.*upgrade trainer_sdk"),
+        (lambda m: m["tensors"]["w"].update(dtype="F4"), "dtype 'F4'.*upgrade trainer_sdk"),
+        (lambda m: m["tensors"]["w"]["pieces"][0].update(dtype="F4"), "dtype 'F4'.*upgrade"),
+    ],
+)
+def test_a_newer_writer_is_unsupported_not_invalid(mutate: Any, message: str) -> None:
+    """A newer format version or dtype: the step may be good, so it is not a ManifestError
+    (which readers skip) but an UnsupportedFormatError (which restore() raises)."""
+    m = _manifest()
+    mutate(m)
+    with pytest.raises(UnsupportedFormatError, match=message) as info:
+        _parse(m)
+    assert not isinstance(info.value, ManifestError)
+    assert info.value.step == 5
 
 
 def test_not_json_and_wrong_world() -> None:

@@ -8,8 +8,11 @@ Who calls what, in which order (see ``trainer_sdk.api``):
   temp file is fsync'd and renamed, and the directory fsync'd; on S3 the multipart upload is
   completed. :meth:`Writer.abort` discards everything written so far (and, on S3, aborts the
   multipart upload) and must not hide the error that caused it.
-* Rank 0 writes ``manifest.json`` with :meth:`Storage.write_atomic` only after every rank has
-  committed its shards: that write is the checkpoint's commit. Then it writes ``latest``.
+* Rank 0 writes ``manifest.json`` with :meth:`Storage.create_exclusive` only after every rank
+  has committed its shards: that write is the checkpoint's commit, and it fails if any manifest
+  is already there, so two writers can never both commit one step. Then it moves ``latest``
+  with :meth:`Storage.read_versioned` and :meth:`Storage.replace_if` (a compare-and-swap, so
+  two writers cannot interleave a read and a write of it).
 * Readers use :meth:`Storage.read_bytes` for small JSON files and :meth:`Storage.read_into`
   for ranges of shards, straight into the destination buffer (no extra copy).
 
@@ -51,6 +54,30 @@ class Storage(Protocol):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write a small object whole and durably; readers see the old or the new, never half."""
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Write a small object whole and durably, only if no object is at ``path`` yet.
+
+        Raises ``FileExistsError`` if another object is there. If the object there has exactly
+        ``data`` (our own write whose reply was lost and was retried), it returns normally:
+        the bytes are read back and compared, so a lost reply is never reported as a failure.
+        S3: ``PutObject`` with ``If-None-Match: *``; a filesystem: ``link(2)`` of a fsync'd
+        temp file onto the final name.
+        """
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        """A small object and an opaque version token of it (an ETag, or inode and mtime).
+
+        Raises ``FileNotFoundError`` if absent.
+        """
+
+    def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
+        """Replace ``path`` with ``data`` if it is still at version ``token`` (None: absent).
+
+        Returns False, writing nothing, when another writer changed it in between. S3:
+        ``If-Match`` / ``If-None-Match: *``; a filesystem: under an exclusive ``flock`` of
+        the checkpoint root, compare then rename.
+        """
 
     def read_bytes(self, path: str) -> bytes:
         """Read a whole (small) object. Raises ``FileNotFoundError`` if absent."""

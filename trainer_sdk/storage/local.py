@@ -9,7 +9,17 @@ Safety: paths are relative keys checked component by component; no component ins
 may be a symbolic link (checked with ``lstat`` and opened with ``O_NOFOLLOW``), so a
 checkpoint directory cannot redirect reads or writes outside itself.
 
-Note: ``rename`` is atomic on local filesystems; some network filesystems do not promise it.
+Commits and fencing: a manifest is created with ``link(2)`` of a fsync'd temp file onto its
+final name, which fails with ``EEXIST`` if any file is already there, so two writers can never
+both commit one step (``O_EXCL`` semantics, but for a file that is complete before it appears).
+``latest`` is replaced under an exclusive ``flock`` of the checkpoint root: read, compare, rename.
+
+Limits on network filesystems: ``rename`` is atomic on local filesystems; some network
+filesystems do not promise it. ``link`` is atomic on the NFS server, but a lost reply to a
+retransmitted LINK can come back as ``EEXIST``; the temp file's link count (2 when our link
+took) tells the two apart. ``flock`` on NFS is emulated with POSIX byte-range locks (Linux
+>= 2.6.12) and needs a working lock manager (``nolock`` mounts make it local to one client):
+there, ``latest`` is still only a hint, and readers check it against the manifests.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -232,6 +243,69 @@ class LocalStorage:
         except BaseException:
             w.abort()
             raise
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        full = self._path(path)
+        directory = os.path.dirname(full)
+        self._makedirs(directory)
+        w = LocalWriter(full, directory)
+        try:
+            w.write(data)
+            fd, w._fd = w._fd, None
+            assert fd is not None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(w.temp_path, full, follow_symlinks=False)
+            except FileExistsError:
+                # A retransmitted LINK whose first reply was lost (NFS) reports EEXIST although
+                # it took: then the temp file has a second name.
+                if os.lstat(w.temp_path).st_nlink < 2 and self._read_or_none(path) != data:
+                    raise FileExistsError(
+                        errno.EEXIST, "another writer already created it", full
+                    ) from None
+            _fsync_dir(directory)
+        finally:
+            w.abort()  # removes the temp name (the final name, if linked, stays)
+
+    def _read_or_none(self, path: str) -> bytes | None:
+        try:
+            return self.read_bytes(path)
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _token(st: os.stat_result) -> str:
+        return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        fd = self._open_read(path)
+        try:
+            st = os.fstat(fd)
+            out = bytearray(st.st_size)
+            self._pread_into(fd, 0, memoryview(out), path)
+            return bytes(out), self._token(st)
+        finally:
+            os.close(fd)
+
+    def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
+        full = self._path(path)
+        self._makedirs(os.path.dirname(full))
+        lock = os.open(self._root, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or if the process dies
+            try:
+                current: str | None = self._token(os.lstat(full))
+            except FileNotFoundError:
+                current = None
+            if current != token:
+                return False
+            self.write_atomic(path, data)
+            return True
+        finally:
+            os.close(lock)
 
     def read_bytes(self, path: str) -> bytes:
         fd = self._open_read(path)

@@ -18,6 +18,7 @@ the credentials chain) and from :class:`S3Config`. Credentials are never logged.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
@@ -50,6 +51,9 @@ MAX_PART_SIZE: Final = 5 * 1024 * MiB
 MAX_PARTS: Final = 10_000
 MAX_OBJECT_SIZE: Final = 5 * 1024 * 1024 * MiB
 _PARTS_PER_SIZE_STEP: Final = 1000
+_PRECONDITION_CODES: Final = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+"""S3's answers to a conditional write that lost: 412, or 409 when another conditional write
+of the same key was in flight."""
 """After every 1000 parts the part size doubles, so a stream of unknown size still fits."""
 
 
@@ -346,6 +350,81 @@ class S3Storage:
         self._call(
             "write", key, lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
         )
+
+    # -- conditional writes (commit and fencing; see docs/s3.md) ----------------------------
+
+    def _conditional_put(self, key: str, body: bytes, **condition: str) -> bool:
+        """PutObject with a precondition; False when S3 answers 412 (or 409: a concurrent
+        conditional write of the same key won). A store that does not implement the header
+        answers 501 NotImplemented: that is an error naming the fix, never a silent
+        unconditional write."""
+
+        def put() -> bool:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=key, Body=body, **condition)
+            except Exception as e:
+                code, status = _retry.error_code(e)
+                if code in _PRECONDITION_CODES or status in (409, 412):
+                    return False
+                if "IfMatch" in condition and _retry.is_not_found(e):
+                    return False  # deleted since it was read: the version did not match
+                if code == "NotImplemented" or status == 501:
+                    raise StorageError(
+                        f"{self._uri_of(key)}: the S3 endpoint {self.endpoint} does not "
+                        "support conditional writes (If-None-Match / If-Match), which Baton "
+                        "needs so that two writers can never commit one step: use a store that "
+                        "has them (see docs/s3.md)"
+                    ) from e
+                raise
+            return True
+
+        return self._call("write", key, put)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        key = self._key(path)
+        body = bytes(data)
+        if self._conditional_put(key, body, IfNoneMatch="*"):
+            # Read back: a store that ignores If-None-Match (some S3-compatible servers do)
+            # would let a second writer overwrite us; then we must not report a commit.
+            if self.read_bytes(path) != body:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "another writer overwrote it (the store ignored If-None-Match)",
+                    self._uri_of(key),
+                )
+            return
+        # 412: an object is there. It is ours if the first PUT took and only its reply was
+        # lost (botocore then retried and met our own object): read back and compare.
+        try:
+            there = self.read_bytes(path)
+        except FileNotFoundError:
+            there = None
+        if there != body:
+            raise FileExistsError(
+                errno.EEXIST, "another writer already created it", self._uri_of(key)
+            )
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        key = self._key(path)
+
+        def get() -> tuple[bytes, str]:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            body = resp["Body"]
+            try:
+                data = bytes(body.read())
+            finally:
+                body.close()
+            if len(data) != int(resp["ContentLength"]):
+                raise _retry.ShortReadError(f"{len(data)} of {resp['ContentLength']} bytes")
+            return data, str(resp["ETag"])
+
+        return self._call("read", key, get)
+
+    def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
+        key = self._key(path)
+        if token is None:
+            return self._conditional_put(key, bytes(data), IfNoneMatch="*")
+        return self._conditional_put(key, bytes(data), IfMatch=token)
 
     # -- reading ---------------------------------------------------------------------------
 
