@@ -7,7 +7,8 @@ Sources -> outputs:
 
 * ``baton_operator.crd``  -> ``deploy/crd.yaml``, ``charts/baton/crds/*.yaml``
 * ``baton_operator.rbac`` -> ``deploy/rbac.yaml``, ``charts/baton/files/rbac-rules.yaml``
-  (the chart's ClusterRole template renders those rules under the release's names)
+  (the chart's RBAC template renders those rules under the release's names: one ClusterRole,
+  or with ``operator.watchNamespaces`` a Role per namespace and a Node-only ClusterRole)
 * ``deploy/_dashboard.py`` -> ``deploy/grafana/baton-dashboard.json`` and the chart's copy
 * ``deploy/prometheus/baton-rules.yaml`` (hand-written) -> the chart's copy
 
@@ -50,29 +51,32 @@ def _yaml_docs(docs: Iterable[dict[str, Any]], source: str) -> str:
 def outputs() -> dict[Path, str]:
     """Every generated file and its expected content."""
     the_crd = crd.crd_manifest()
-    peering = crd.peering_crd_manifests()
     crd_src = "baton_operator.crd"
     rbac_src = "baton_operator.rbac"
     dashboard = json.dumps(_dashboard.dashboard(), indent=2) + "\n"
     rules = (ROOT / "deploy" / "prometheus" / "baton-rules.yaml").read_text()
-    files = {
-        ROOT / "deploy" / "crd.yaml": _yaml_docs([the_crd, *peering], crd_src),
+    return {
+        ROOT / "deploy" / "crd.yaml": _yaml_docs([the_crd], crd_src),
         CHART / "crds" / f"{the_crd['metadata']['name']}.yaml": _yaml_docs([the_crd], crd_src),
         ROOT / "deploy" / "rbac.yaml": _yaml_docs(
             rbac.rbac_manifests(NAMESPACE, SERVICE_ACCOUNT), rbac_src
         ),
         CHART / "files" / "rbac-rules.yaml": _HEADER.format(source=rbac_src)
-        + yaml.safe_dump({"rules": rbac.rbac_rules()}, sort_keys=False, width=100),
+        + yaml.safe_dump(
+            {
+                "rules": rbac.rbac_rules(),
+                "workloadRules": rbac.workload_rules(),
+                "nodeRules": rbac.node_rules(),
+                "selfRules": rbac.self_rules(),
+            },
+            sort_keys=False,
+            width=100,
+        ),
         ROOT / "deploy" / "grafana" / "baton-dashboard.json": dashboard,
         CHART / "files" / "baton-dashboard.json": dashboard,
         # A byte-for-byte copy: Helm can only read files inside the chart.
         CHART / "files" / "baton-rules.yaml": rules,
     }
-    for manifest in peering:
-        files[CHART / "crds" / f"{manifest['metadata']['name']}.yaml"] = _yaml_docs(
-            [manifest], crd_src
-        )
-    return files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -14,7 +15,10 @@ import yaml
 
 from . import crd, rbac
 from .notices import Graces
-from .settings import OperatorConfig
+from .podpolicy import DEFAULT_SERVICE_ACCOUNTS, PodPolicy
+from .settings import LEASE_NAME, OperatorConfig
+
+_SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 __all__ = ["main"]
 
@@ -30,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     man = sub.add_parser("manifests", help="print the CRDs, ServiceAccount and RBAC as YAML")
     man.add_argument("--namespace", default="baton-system", help="the operator's namespace")
     man.add_argument("--service-account", default="baton-operator")
+    man.add_argument(
+        "--watch-namespace", action="append", default=[], dest="watch_namespaces",
+        help="grant only namespaced Roles in this namespace (repeatable); default: cluster-wide",
+    )  # fmt: skip
     _run_flags(p)
     return p
 
@@ -42,8 +50,30 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         help="serve this namespace (repeatable); the default is every namespace",
     )  # fmt: skip
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
-    p.add_argument("--standalone", action="store_true", help="run without kopf peering")
-    p.add_argument("--peering", default=d.peering_name, help="ClusterKopfPeering name")
+    p.add_argument(
+        "--standalone", action="store_true",
+        help="run without leader election (only where nothing can start a second operator)",
+    )  # fmt: skip
+    p.add_argument(
+        "--operator-namespace", default=None,
+        help="where the Lease and the token-key Secret live (default: the pod's namespace, "
+        f"else {d.operator_namespace})",
+    )  # fmt: skip
+    p.add_argument(
+        "--identity", default=d.identity,
+        help="this replica's name in the Lease (default: the host name, i.e. the pod name)",
+    )  # fmt: skip
+    p.add_argument("--lease-duration-seconds", type=int, default=d.lease_duration_seconds)
+    p.add_argument("--lease-renew-seconds", type=float, default=d.lease_renew_seconds)
+    p.add_argument(
+        "--lease-renew-deadline-seconds", type=float, default=d.lease_renew_deadline_seconds
+    )
+    p.add_argument("--lease-retry-seconds", type=float, default=d.lease_retry_seconds)
+    p.add_argument(
+        "--allow-service-account", action="append", default=[], metavar="NAME",
+        help="a ServiceAccount pod templates may name, besides "
+        f"{', '.join(DEFAULT_SERVICE_ACCOUNTS)} (repeatable)",
+    )  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: in-cluster)")
     p.add_argument("--sidecar-image", default=d.sidecar_image)
@@ -74,7 +104,17 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(
         namespaces=tuple(args.namespaces or ()),
         standalone=args.standalone,
-        peering_name=args.peering,
+        operator_namespace=args.operator_namespace or _own_namespace(),
+        identity=args.identity or socket.gethostname(),
+        lease_duration_seconds=args.lease_duration_seconds,
+        lease_renew_seconds=args.lease_renew_seconds,
+        lease_renew_deadline_seconds=args.lease_renew_deadline_seconds,
+        lease_retry_seconds=args.lease_retry_seconds,
+        pod_policy=PodPolicy(
+            allowed_service_accounts=tuple(
+                dict.fromkeys([*DEFAULT_SERVICE_ACCOUNTS, *args.allow_service_account])
+            )
+        ),
         metrics_port=args.metrics_port,
         kubeconfig=args.kubeconfig,
         sidecar_image=args.sidecar_image,
@@ -88,20 +128,27 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
     )
 
 
-def manifests_yaml(namespace: str, service_account: str) -> str:
-    """The CRDs (TrainingJob and kopf's peering) and the RBAC, as one YAML stream."""
+def _own_namespace() -> str:
+    try:
+        with open(_SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or OperatorConfig.operator_namespace
+    except OSError:
+        return OperatorConfig.operator_namespace
+
+
+def manifests_yaml(
+    namespace: str, service_account: str, watch_namespaces: Sequence[str] = ()
+) -> str:
+    """The CRD and the RBAC, as one YAML stream."""
     docs = [
         crd.crd_manifest(),
-        *crd.peering_crd_manifests(),
-        *rbac.rbac_manifests(namespace, service_account),
+        *rbac.rbac_manifests(namespace, service_account, watch_namespaces=watch_namespaces),
     ]
     return yaml.safe_dump_all(docs, sort_keys=False)
 
 
 def _run(config: OperatorConfig, verbose: bool) -> None:
     import asyncio
-
-    import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
 
@@ -112,31 +159,86 @@ def _run(config: OperatorConfig, verbose: bool) -> None:
     if config.kubeconfig:
         # kopf's own login reads $KUBECONFIG; the operator's API client gets the path directly.
         os.environ["KUBECONFIG"] = config.kubeconfig
-    asyncio.run(kopf.operator(memo=kopf.Memo(config=config), **kopf_operator_args(config)))
+    asyncio.run(_operate(config))
+
+
+async def _operate(config: OperatorConfig) -> None:
+    """Serve the probes, win the Lease (unless standalone), then run kopf while leading."""
+    import asyncio
+    import signal
+
+    import kopf
+
+    from . import kube, leader, metrics
+
+    registry = metrics.Metrics()
+    runner = await metrics.serve(registry, port=config.metrics_port)
+    memo = kopf.Memo(config=config, metrics=registry, metrics_runner=runner)
+    if config.standalone:
+        await kopf.operator(memo=memo, **kopf_operator_args(config))
+        return
+    elector = leader.LeaderElector(
+        leader.LeaseClient(
+            kube.load_client(config.kubeconfig),
+            namespace=config.operator_namespace,
+            name=LEASE_NAME,
+            timeout=config.lease_renew_deadline_seconds,
+        ),
+        identity=config.identity,
+        timings=leader.LeaseTimings(
+            duration=config.lease_duration_seconds,
+            renew=config.lease_renew_seconds,
+            retry=config.lease_retry_seconds,
+            renew_deadline=config.lease_renew_deadline_seconds,
+        ),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    acquiring = asyncio.create_task(elector.acquire())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not acquiring.done():
+        acquiring.cancel()
+        await runner.cleanup()
+        return
+    registry.leader.set(1)
+    keeper = asyncio.create_task(elector.keep())
+    operator = asyncio.create_task(
+        kopf.operator(memo=memo, stop_flag=stop, **kopf_operator_args(config))
+    )
+    await asyncio.wait({keeper, operator}, return_when=asyncio.FIRST_COMPLETED)
+    if keeper.done():
+        # Lost the Lease: a standby may act in (duration - renew deadline) seconds. Stop now,
+        # not after kopf's graceful shutdown, and let the kubelet start us again as a standby.
+        logging.getLogger(__name__).critical("%s", keeper.exception())
+        logging.shutdown()
+        os._exit(3)
+    keeper.cancel()
+    await elector.release()
 
 
 def kopf_operator_args(config: OperatorConfig) -> dict[str, Any]:
     """The arguments of ``kopf.operator`` for ``config``.
 
-    kopf makes peering *mandatory* whenever a peering name is passed, even with
-    ``standalone=True``, and then pauses every watch until a peering object shows up: so a
-    standalone operator must pass no name at all.
+    Always standalone as far as kopf knows: the Lease (leader.py) decides which replica runs
+    kopf at all. kopf makes peering *mandatory* whenever a peering name is passed, so none is.
     """
-    args: dict[str, Any] = {
+    return {
         "clusterwide": not config.namespaces,
         "namespaces": list(config.namespaces),
-        "standalone": config.standalone,
+        "standalone": True,
     }
-    if not config.standalone:
-        args["peering_name"] = config.peering_name
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``baton-operator`` console script."""
     args = _parser().parse_args(argv)
     if args.command == "manifests":
-        sys.stdout.write(manifests_yaml(args.namespace, args.service_account))
+        sys.stdout.write(
+            manifests_yaml(args.namespace, args.service_account, args.watch_namespaces)
+        )
         return 0
     _run(_config(args), args.verbose)
     return 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from . import lifecycle, manifests
+from . import lifecycle, manifests, podpolicy
 from .errors import SidecarError
 from .kube import Kube
 from .lifecycle import Outcome, Phase, RankView, VerdictKind
@@ -249,8 +249,12 @@ class Reconciler:
         metrics: Metrics,
         config: OperatorConfig,
         post_event: EventPoster,
+        token_for: Callable[[JobSpec], str],
     ) -> None:
         self._kube = kube
+        self._token_for = token_for
+        """The sidecar token of a job (tokens.derive under the operator's key): the operator
+        never reads a job's Secret back (docs/operator.md, Security policy)."""
         self._sidecars = sidecars
         self._cluster = cluster
         self._metrics = metrics
@@ -289,6 +293,13 @@ class Reconciler:
         self._count_phase(namespace, name, (phase or Phase.PENDING).value)
         now = _now()
         tick = self._config.tick_seconds
+        if phase not in (Phase.SUCCEEDED, Phase.FAILED):
+            refused = podpolicy.refusals(spec.template, self._config.pod_policy)
+            if refused:
+                # Before anything is created: the operator's right to create pods is not
+                # lent to a template that asks for the node's privileges.
+                await self._refuse(job, spec, status, refused, now)
+                return tick
         if phase is None:
             await self._start(job, spec, now)
             return tick
@@ -305,9 +316,7 @@ class Reconciler:
             last_checkpoint=_last_commit_time(job, status),
         )
         if memory.token is None:
-            memory.token = await self._kube.read_secret_key(
-                namespace, manifests.secret_name(spec.name), manifests.TOKEN_KEY
-            )
+            memory.token = self._token_for(spec)
         attempt = int(status.get("attempt", 0))
         memory.for_attempt(attempt)
         current = {_rank_of(p): p for p in pods if _attempt_of(p) == attempt}
@@ -500,6 +509,30 @@ class Reconciler:
                     ),
                 )
         await self._patch(spec, {"masterAddr": ip})
+
+    async def _refuse(
+        self,
+        job: Mapping[str, Any],
+        spec: JobSpec,
+        status: Mapping[str, Any],
+        refused: Sequence[podpolicy.Refusal],
+        now: datetime,
+    ) -> None:
+        message = podpolicy.summary(refused)
+        conditions = list(status.get("conditions") or [])
+        for ctype, value, reason in (
+            ("Ready", False, "PodTemplateRefused"),
+            ("Failed", True, "PodTemplateRefused"),
+        ):
+            conditions = _set_condition(conditions, ctype, value, reason, message,
+                                        now=now, generation=spec.generation)  # fmt: skip
+        # The next tick sees Failed and deletes whatever pods the job still has.
+        await self._patch(
+            spec,
+            {"phase": Phase.FAILED.value, "message": message, "notice": None,
+             "conditions": conditions},
+        )  # fmt: skip
+        await self._event(job, "Warning", "PodTemplateRefused", message)
 
     async def _delete_pods(
         self, spec: JobSpec, pods: Sequence[Mapping[str, Any]], now: datetime

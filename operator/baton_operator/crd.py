@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Final
 
+from . import podpolicy
+
 __all__ = [
     "GROUP",
     "KIND",
@@ -24,7 +26,6 @@ __all__ = [
     "SINGULAR",
     "VERSION",
     "crd_manifest",
-    "peering_crd_manifests",
 ]
 
 GROUP: Final = "baton.dev"
@@ -343,6 +344,9 @@ _COLUMNS: Final = [
 
 def crd_manifest() -> dict[str, Any]:
     """Return the ``apiextensions.k8s.io/v1`` CRD for ``trainingjobs.baton.dev`` (a fresh dict)."""
+    spec = _spec_schema()
+    # The security policy's CEL half (podpolicy.py): refused at `kubectl apply`.
+    podpolicy.forbid_in_schema(spec["properties"]["template"])
     schema = {
         "type": "object",
         "description": (
@@ -354,7 +358,7 @@ def crd_manifest() -> dict[str, Any]:
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": _spec_schema(),
+            "spec": spec,
             "status": _status_schema(),
         },
         "x-kubernetes-validations": [
@@ -392,42 +396,3 @@ def crd_manifest() -> dict[str, Any]:
             },
         }
     )
-
-
-def peering_crd_manifests() -> list[dict[str, Any]]:
-    """Return kopf's peering CRDs (``kopf.dev/v1``), needed when the operator runs with peering.
-
-    kopf keeps a heartbeat per operator instance in these objects, so that a second replica
-    (for example during a rollout) stays paused while the first one is alive.
-    """
-    manifests = []
-    for kind, plural, scope in (
-        ("ClusterKopfPeering", "clusterkopfpeerings", "Cluster"),
-        ("KopfPeering", "kopfpeerings", "Namespaced"),
-    ):
-        manifests.append(
-            {
-                "apiVersion": "apiextensions.k8s.io/v1",
-                "kind": "CustomResourceDefinition",
-                "metadata": {"name": f"{plural}.kopf.dev"},
-                "spec": {
-                    "group": "kopf.dev",
-                    "scope": scope,
-                    "names": {"kind": kind, "plural": plural, "singular": plural[:-1]},
-                    "versions": [
-                        {
-                            "name": "v1",
-                            "served": True,
-                            "storage": True,
-                            "schema": {
-                                "openAPIV3Schema": {
-                                    "type": "object",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                }
-                            },
-                        }
-                    ],
-                },
-            }
-        )
-    return manifests

@@ -21,10 +21,10 @@ import kopf
 
 from . import kube as kube_mod
 from . import metrics as metrics_mod
-from . import notices, watches
+from . import notices, tokens, watches
 from .controller import ClusterView, JobMemory, Reconciler
 from .errors import BatonOperatorError
-from .settings import OperatorConfig
+from .settings import KEY_SECRET_NAME, OperatorConfig
 from .sidecars import SidecarClient
 
 __all__ = ["configure"]
@@ -55,8 +55,10 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # No CRD/namespace scanning: it would need list/watch on both, and Baton's resources are
     # known at startup.
     settings.scanning.disabled = True
-    settings.peering.name = config.peering_name
-    settings.peering.standalone = config.standalone
+    # One active operator is chosen by the Lease in leader.py before kopf starts, not by
+    # kopf's peering (whose equal-priority replicas pause each other, kopf#734).
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
     settings.peering.clusterwide = not config.namespaces
     # Our Events are written on purpose (kopf.event); kopf's own log lines are not turned
     # into Events, so nothing from a traceback or a request can leak into one.
@@ -96,9 +98,13 @@ def _login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config = _config(memo)
     configure(settings, config)
-    metrics = metrics_mod.Metrics()
-    memo["metrics"] = metrics
-    memo["metrics_runner"] = await metrics_mod.serve(metrics, port=config.metrics_port)
+    # __main__ serves /metrics and /healthz from before the leader election (a standby
+    # must answer its probes too); a kopf run without __main__ (tests) serves them here.
+    metrics = memo.get("metrics")
+    if not isinstance(metrics, metrics_mod.Metrics):
+        metrics = metrics_mod.Metrics()
+        memo["metrics"] = metrics
+        memo["metrics_runner"] = await metrics_mod.serve(metrics, port=config.metrics_port)
     sidecars = SidecarClient(
         port=config.sidecar_port, timeout_seconds=config.sidecar_timeout_seconds
     )
@@ -113,13 +119,16 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
             kopf.Body(cast(kopf.RawBody, dict(job))), type=kind, reason=reason, message=message
         )
 
+    kube = kube_mod.Kube(kube_mod.load_client(config.kubeconfig))
+    key = await tokens.load_or_create_key(kube, config.operator_namespace, KEY_SECRET_NAME)
     memo["reconciler"] = Reconciler(
-        kube=kube_mod.Kube(kube_mod.load_client(config.kubeconfig)),
+        kube=kube,
         sidecars=sidecars,
         cluster=cluster,
         metrics=metrics,
         config=config,
         post_event=post,
+        token_for=lambda spec: tokens.derive(key, spec),
     )
 
 

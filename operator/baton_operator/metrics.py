@@ -67,6 +67,11 @@ class Metrics:
             "Unix time of the last committed checkpoint the operator saw (until the first: "
             "the job's creation time).", _JOB, registry=r,
         )  # fmt: skip
+        self.leader = Gauge(
+            "baton_operator_leader",
+            "1 while this operator replica holds the Lease and acts; 0 while it stands by.",
+            registry=r,
+        )
         self._live: set[tuple[str, str]] = set()
         self._restart_reasons: dict[tuple[str, str], set[str]] = {}
 

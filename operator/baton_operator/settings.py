@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from .notices import Graces
+from .podpolicy import PodPolicy
 
-__all__ = ["EMERGENCY_EXIT_CODE", "OperatorConfig"]
+__all__ = ["EMERGENCY_EXIT_CODE", "KEY_SECRET_NAME", "LEASE_NAME", "OperatorConfig"]
+
+LEASE_NAME: Final = "baton-operator"
+"""The coordination.k8s.io Lease (in the operator's namespace) that elects the one active
+operator. Fixed, so that RBAC can name it (``resourceNames``)."""
+KEY_SECRET_NAME: Final = "baton-operator-token-key"  # noqa: S105 (a Secret's name)
+"""The Secret (in the operator's namespace) holding the key the sidecar tokens derive from.
+Fixed, so that RBAC can grant ``get`` on it and on no other Secret."""
 
 EMERGENCY_EXIT_CODE = 75
 """A trainer that exits after an emergency save (a SIGTERM or a notice it saw itself, with the
@@ -22,9 +31,25 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     """Namespaces to serve; empty means every namespace (``--all-namespaces``)."""
     standalone: bool = False
-    """Skip kopf peering. Peering keeps a second replica paused while the first one lives."""
-    peering_name: str = "baton"
-    """The ClusterKopfPeering object (created by the chart) that operator replicas share."""
+    """Skip leader election: only for a single operator that nothing else can start twice."""
+    operator_namespace: str = "baton-system"
+    """The operator's own namespace: its Lease and its token-key Secret live there."""
+    identity: str = ""
+    """This replica's name in the Lease; empty means the host name (the pod's name). Stable
+    across restarts of the same pod, so a restarted operator takes its Lease back at once
+    instead of waiting for its dead predecessor's to expire."""
+    lease_duration_seconds: int = 4
+    """A holder that has not renewed for this long is presumed dead and a standby takes over:
+    well inside GKE's 15 s for non-system pods. Whole seconds (the Lease field is an int)."""
+    lease_renew_seconds: float = 1.0
+    """How often the active operator renews the Lease."""
+    lease_retry_seconds: float = 0.5
+    """How often a standby looks at the Lease."""
+    lease_renew_deadline_seconds: float = 3.0
+    """An active operator that could not renew for this long exits at once (before its Lease
+    can expire and a standby act), so two operators never act together."""
+    pod_policy: PodPolicy = field(default_factory=PodPolicy)
+    """What a pod template may ask for (podpolicy.py, docs/operator.md "Security policy")."""
     metrics_port: int = 8080
     """Port of ``/metrics`` and ``/healthz`` (docs/contracts.md)."""
     kubeconfig: str | None = None
@@ -70,5 +95,18 @@ class OperatorConfig:
             )
         if self.tick_seconds <= 0 or self.progress_poll_seconds <= 0:
             raise ValueError("tick_seconds and progress_poll_seconds must be > 0")
+        if not (
+            0
+            < self.lease_renew_seconds
+            < self.lease_renew_deadline_seconds
+            < self.lease_duration_seconds
+        ):
+            raise ValueError(
+                "leader election needs 0 < lease_renew_seconds < lease_renew_deadline_seconds "
+                "< lease_duration_seconds, or an active operator could still act after a "
+                "standby took over: lengthen the lease"
+            )
+        if self.lease_retry_seconds <= 0:
+            raise ValueError("lease_retry_seconds must be > 0")
         if not self.sidecar_command:
             raise ValueError("sidecar_command must name the sidecar executable")

@@ -119,17 +119,19 @@ def test_restricted_checker_catches_what_the_profile_forbids() -> None:
 def test_defaults_render_the_operator(helm: str) -> None:
     docs = _render(helm)
     assert _kinds(docs) == [
-        "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
         "NetworkPolicy",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
     deployment = _one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas, one active through the Lease; a rolling update is safe with it.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["baton-operator"]
@@ -142,10 +144,13 @@ def test_defaults_render_the_operator(helm: str) -> None:
     assert container["args"] == [
         "--metrics-port=8080",
         "--sidecar-image=baton-sidecar:0.1.0",
-        f"--peering={_one(docs, 'ClusterKopfPeering')['metadata']['name']}",
+        "--identity=$(POD_NAME)",
+        f"--operator-namespace={NAMESPACE}",
         "--all-namespaces",
     ]
-    assert "env" not in container
+    assert container["env"] == [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
     assert pod["serviceAccountName"] == _one(docs, "ServiceAccount")["metadata"]["name"]
     service = _one(docs, "Service")
     assert service["spec"]["ports"][0]["port"] == 8080
@@ -159,12 +164,48 @@ def test_rbac_rules_are_the_operators_own(helm: str) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "baton", "namespace": NAMESPACE}
     ]
+    role = _one(docs, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == rbac.self_rules()
+    assert _one(docs, "RoleBinding")["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": _name(role),
+    }
+
+
+def test_watch_namespaces_grant_only_namespaced_roles_and_read_only_nodes(helm: str) -> None:
+    docs = _render(helm, "--set", "operator.watchNamespaces={ml-a,ml-b}")
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}
+    ]
+    roles = {(d["metadata"]["namespace"], _name(d)): d for d in docs if d["kind"] == "Role"}
+    assert sorted(ns for ns, _ in roles) == ["baton-system", "ml-a", "ml-b"]
+    for (ns, _), role in roles.items():
+        expected = rbac.self_rules() if ns == NAMESPACE else rbac.workload_rules()
+        assert role["rules"] == expected, ns
+    bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert len(bindings) == 4
+    for b in bindings:
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": "baton", "namespace": NAMESPACE}
+        ]
+
+
+def test_standalone_refuses_more_than_one_replica(helm: str) -> None:
+    result = _helm(
+        helm, "template", "baton", str(CHART), "--namespace", NAMESPACE,
+        "--set", "operator.leaderElection=false", "--set", "replicas=2",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "set replicas: 1, or keep leader election on" in result.stderr
 
 
 def test_crds_come_from_the_operator_and_render_only_on_request(helm: str) -> None:
     rendered = _render(helm, "--include-crds")
     with_crds = [d for d in rendered if d["kind"] == "CustomResourceDefinition"]
-    expected = [crd.crd_manifest(), *crd.peering_crd_manifests()]
+    expected = [crd.crd_manifest()]
     assert sorted(with_crds, key=_name) == sorted(expected, key=_name)
     # crds/ is not a template: `helm template` leaves it out unless asked, and `helm install`
     # applies it before the templates unless --skip-crds (tests/deploy/test_cluster.py).
@@ -249,19 +290,19 @@ def test_custom_values_reach_the_deployment(helm: str) -> None:
         "--namespace=ml-prod",
         "--verbose",
     ]
-    assert "ClusterKopfPeering" not in _kinds(docs)
-    assert container["env"] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]
+    assert container["env"][1:] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]
     assert pod["serviceAccountName"] == "platform-baton"
     assert pod["imagePullSecrets"] == [{"name": "internal-registry"}]
     assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
     assert pod["priorityClassName"] == "system-cluster-critical"
     binding = _one(docs, "ClusterRoleBinding")
     assert binding["subjects"][0]["name"] == "platform-baton"
+    assert _one(docs, "Deployment")["spec"]["replicas"] == 1
 
 
 # (values, the error helm must print): each is a mistake the schema exists to catch.
 BAD_VALUES = {
-    "unknown key": (["--set", "replicas=2"], "additional properties 'replicas' not allowed"),
+    "unknown key": (["--set", "replica=2"], "additional properties 'replica' not allowed"),
     "typo in a nested key": (
         ["--set", "metrics.serviceMonitor.enable=true"],
         "additional properties 'enable' not allowed",

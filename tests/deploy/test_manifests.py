@@ -65,8 +65,16 @@ def test_deploy_operator_matches_the_charts_default(helm: str) -> None:
     ).stdout
     chart = _deployment([d for d in yaml.safe_load_all(rendered) if d])
     ours = _deployment(_kustomized())
-    assert ours["spec"]["strategy"] == chart["spec"]["strategy"] == {"type": "Recreate"}
-    assert ours["spec"]["replicas"] == chart["spec"]["replicas"] == 1
+    assert (
+        ours["spec"]["strategy"]
+        == chart["spec"]["strategy"]
+        == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+        }
+    )
+    # Two replicas, one active through the Lease (docs/operator.md, "High availability").
+    assert ours["spec"]["replicas"] == chart["spec"]["replicas"] == 2
     pod, chart_pod = ours["spec"]["template"]["spec"], chart["spec"]["template"]["spec"]
     assert pod["securityContext"] == chart_pod["securityContext"]
     assert pod["volumes"] == chart_pod["volumes"]
@@ -79,12 +87,11 @@ def test_deploy_operator_matches_the_charts_default(helm: str) -> None:
         "resources",
         "securityContext",
         "volumeMounts",
+        "env",
     ):
         assert c[field] == cc[field], field
-    # Same flags except peering: the chart creates a ClusterKopfPeering, kubectl -k cannot.
-    assert [a for a in c["args"] if a != "--standalone"] == [
-        a for a in cc["args"] if not a.startswith("--peering")
-    ]
+    assert c["args"] == cc["args"]
+    assert "--identity=$(POD_NAME)" in c["args"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

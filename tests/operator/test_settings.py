@@ -25,9 +25,9 @@ def test_kopf_settings_from_config() -> None:
     assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
     assert settings.persistence.finalizer == "baton.dev/operator"
     assert settings.scanning.disabled is True
-    assert settings.peering.name == "baton"
+    # kopf's peering is off: the Lease (leader.py) decides which replica runs kopf at all.
     assert settings.peering.standalone is True
-    assert settings.peering.clusterwide is False
+    assert settings.peering.mandatory is False
     assert list(settings.watching.label_selectors.values()) == [
         "app.kubernetes.io/managed-by=baton"
     ]
@@ -47,6 +47,17 @@ def test_cli_flags_build_the_config() -> None:
     assert config.standalone is True
     assert config.graces.gke == 20.0
     assert config.tick_seconds == 2.0
+    assert config.identity  # the host name when not given
+    assert config.pod_policy.allowed_service_accounts == ("default",)
+    config = cli._config(
+        cli._parser().parse_args(
+            ["--identity", "op-1", "--operator-namespace", "ops", "--allow-service-account",
+             "ci", "--lease-duration-seconds", "6"]
+        )
+    )  # fmt: skip
+    assert (config.identity, config.operator_namespace) == ("op-1", "ops")
+    assert config.pod_policy.allowed_service_accounts == ("default", "ci")
+    assert config.lease_duration_seconds == 6
     with pytest.raises(SystemExit, match="NAME one of"):
         cli._config(cli._parser().parse_args(["--grace", "nope=1"]))
 
@@ -60,24 +71,29 @@ def test_manifests_subcommand_prints_crds_and_rbac() -> None:
     kinds = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert kinds == [
         ("CustomResourceDefinition", "trainingjobs.baton.dev"),
-        ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev"),
-        ("CustomResourceDefinition", "kopfpeerings.kopf.dev"),
         ("ServiceAccount", "baton-operator"),
         ("ClusterRole", "baton-operator"),
         ("ClusterRoleBinding", "baton-operator"),
+        ("Role", "baton-operator-self"),
+        ("RoleBinding", "baton-operator-self"),
     ]
-    assert docs[3]["metadata"]["namespace"] == "ops"
+    assert docs[1]["metadata"]["namespace"] == "ops"
+    assert docs[4]["metadata"]["namespace"] == "ops"
 
 
-def test_standalone_passes_no_peering_name_to_kopf() -> None:
-    # kopf turns any peering name into *mandatory* peering, which pauses every watch of a
-    # standalone operator (deploy/'s kubectl -k install) until a peering object exists.
-    standalone = cli.kopf_operator_args(OperatorConfig(standalone=True))
-    assert "peering_name" not in standalone
-    assert standalone["standalone"] is True
-    assert standalone["clusterwide"] is True
-    peered = cli.kopf_operator_args(OperatorConfig(namespaces=("ml",), peering_name="baton"))
-    assert peered["peering_name"] == "baton"
-    assert peered["standalone"] is False
-    assert peered["namespaces"] == ["ml"]
-    assert peered["clusterwide"] is False
+def test_kopf_never_peers() -> None:
+    # kopf turns any peering name into *mandatory* peering (and two equal-priority peers
+    # pause each other, kopf#734): the Lease elects the active operator instead.
+    for config in (OperatorConfig(standalone=True), OperatorConfig(namespaces=("ml",))):
+        args = cli.kopf_operator_args(config)
+        assert "peering_name" not in args
+        assert args["standalone"] is True
+    assert cli.kopf_operator_args(OperatorConfig(namespaces=("ml",)))["namespaces"] == ["ml"]
+    assert cli.kopf_operator_args(OperatorConfig())["clusterwide"] is True
+
+
+def test_lease_timings_must_let_the_active_operator_stop_first() -> None:
+    with pytest.raises(ValueError, match="lengthen the lease"):
+        OperatorConfig(lease_duration_seconds=3, lease_renew_deadline_seconds=3.0)
+    with pytest.raises(ValueError, match="lengthen the lease"):
+        OperatorConfig(lease_renew_seconds=3.0, lease_renew_deadline_seconds=2.0)

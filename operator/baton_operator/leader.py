@@ -1,0 +1,282 @@
+"""Leader election on a ``coordination.k8s.io`` Lease: exactly one operator acts.
+
+Why not kopf's peering: two operators of equal priority both pause, and an operator restarted
+after ``kill -9`` waits for its own dead predecessor's record to expire (53 s measured), longer
+than GKE's whole notice window. A Lease is the Kubernetes way (client-go's ``leaderelection``)
+and it can be reasoned about with three numbers (settings.py):
+
+- the active operator renews every ``lease_renew_seconds``; if it has not renewed for
+  ``lease_renew_deadline_seconds`` it exits at once (``os._exit`` in ``__main__``), before
+  its Lease can expire, so it never acts beside a successor;
+- a standby looks every ``lease_retry_seconds``; it takes over once the Lease record has not
+  changed for ``lease_duration_seconds`` *by its own clock* (it never compares its clock with
+  the holder's), so a standby acts at most duration + retry (4.5 s by default) after the
+  active operator's last renewal;
+- an operator whose identity already holds the Lease (the same pod, restarted) renews it at
+  once: it never waits for its own dead predecessor.
+
+Every write is an update with the Lease's ``resourceVersion``: of two standbys racing for an
+expired Lease, one gets ``409 Conflict`` and stays standby. A stopping operator releases the
+Lease (empty holder), so a rollout hands over without waiting for expiry.
+
+This is a client-layer module: it is the only code that touches Leases, and it declares its
+RBAC permissions in :data:`PERMISSIONS` (rbac.py grants them in the operator's namespace only,
+``get``/``update`` by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from kubernetes import client as k8s_client
+from kubernetes.client.exceptions import ApiException
+
+from .errors import BatonOperatorError, KubeError
+from .kube import Permission
+
+__all__ = ["PERMISSIONS", "LeaderElector", "LeadershipLostError", "LeaseClient", "LeaseTimings"]
+
+_log = logging.getLogger(__name__)
+
+GROUP: Final = "coordination.k8s.io"
+PERMISSIONS: Final = frozenset(
+    {
+        Permission(GROUP, "leases", "get"),
+        Permission(GROUP, "leases", "create"),
+        Permission(GROUP, "leases", "update"),
+    }
+)
+"""What :class:`LeaseClient` calls: ``create`` (the first operator ever), ``get`` and
+``update`` (every renewal and takeover)."""
+
+
+class LeadershipLostError(BatonOperatorError):
+    """The active operator could not renew its Lease in time: it must stop acting now."""
+
+
+def _micro_time(t: datetime) -> str:
+    # MicroTime: RFC 3339 with microseconds, as the API server writes it.
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaseClient:
+    """get / create / update of one Lease, with a request timeout on every call."""
+
+    def __init__(self, api_client: Any, *, namespace: str, name: str, timeout: float) -> None:
+        self._api: Any = k8s_client.CoordinationV1Api(api_client)
+        self.namespace = namespace
+        self.name = name
+        self._timeout = timeout
+
+    def _what(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+    async def get(self) -> dict[str, Any] | None:
+        """The Lease as a dict, or None when there is none."""
+        try:
+            resp = await asyncio.to_thread(
+                self._api.read_namespaced_lease,
+                self.name,
+                self.namespace,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise KubeError(f"reading {self._what()}: HTTP {e.status}", status=e.status) from e
+        except OSError as e:  # urllib3's timeouts and refused connections are OSErrors
+            raise KubeError(f"reading {self._what()}: {type(e).__name__}") from e
+        lease: dict[str, Any] = json.loads(resp.data)
+        return lease
+
+    async def create(self, spec: dict[str, Any]) -> bool:
+        """Create the Lease; False when another operator created it first."""
+        body = {
+            "apiVersion": f"{GROUP}/v1",
+            "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": spec,
+        }
+        try:
+            await asyncio.to_thread(
+                self._api.create_namespaced_lease,
+                self.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise KubeError(f"creating {self._what()}: HTTP {e.status}", status=e.status) from e
+        except OSError as e:
+            raise KubeError(f"creating {self._what()}: {type(e).__name__}") from e
+        return True
+
+    async def update(self, lease: dict[str, Any], spec: dict[str, Any]) -> bool:
+        """Replace the Lease's spec, guarded by its resourceVersion; False on a conflict."""
+        body = {
+            "apiVersion": f"{GROUP}/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "resourceVersion": lease["metadata"]["resourceVersion"],
+            },
+            "spec": spec,
+        }
+        try:
+            await asyncio.to_thread(
+                self._api.replace_namespaced_lease,
+                self.name,
+                self.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise KubeError(f"updating {self._what()}: HTTP {e.status}", status=e.status) from e
+        except OSError as e:
+            raise KubeError(f"updating {self._what()}: {type(e).__name__}") from e
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseTimings:
+    """The three numbers of the election (their reasons are in settings.py)."""
+
+    duration: int
+    renew: float
+    retry: float
+    renew_deadline: float
+
+
+class LeaderElector:
+    """Acquire, keep and release the Lease for ``identity``."""
+
+    def __init__(
+        self,
+        client: LeaseClient,
+        *,
+        identity: str,
+        timings: LeaseTimings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not identity:
+            raise ValueError("a leader-election identity is needed: pass --identity")
+        self._client = client
+        self.identity = identity
+        self._t = timings
+        self._clock = clock
+        self._observed: tuple[str, float] | None = None
+        """(resourceVersion, our clock when we first saw it): the holder's liveness, judged
+        by our own clock only."""
+        self.leading = False
+
+    async def try_acquire_or_renew(self) -> bool:
+        """One attempt; True when this identity holds the Lease afterwards."""
+        now = datetime.now(tz=UTC)
+        spec = {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": self._t.duration,
+            "acquireTime": _micro_time(now),
+            "renewTime": _micro_time(now),
+            "leaseTransitions": 0,
+        }
+        lease = await self._client.get()
+        if lease is None:
+            self.leading = await self._client.create(spec)
+            return self.leading
+        old = dict(lease.get("spec") or {})
+        holder = str(old.get("holderIdentity") or "")
+        version = str(lease["metadata"]["resourceVersion"])
+        if self._observed is None or self._observed[0] != version:
+            self._observed = (version, self._clock())
+        if holder and holder != self.identity:
+            # The holder's own duration decides (an older operator may use another one).
+            duration = float(old.get("leaseDurationSeconds") or self._t.duration)
+            if self._clock() - self._observed[1] < duration:
+                self.leading = False
+                return False
+        transitions = int(old.get("leaseTransitions") or 0)
+        if holder == self.identity:
+            spec["acquireTime"] = old.get("acquireTime") or spec["acquireTime"]
+            spec["leaseTransitions"] = transitions
+        else:
+            spec["leaseTransitions"] = transitions + 1
+        self.leading = await self._client.update(lease, spec)
+        return self.leading
+
+    async def acquire(self) -> None:
+        """Wait (as a standby) until this identity holds the Lease."""
+        said = False
+        while True:
+            try:
+                if await self.try_acquire_or_renew():
+                    _log.info(
+                        "leader election: %s holds Lease %s/%s; this operator is active",
+                        self.identity, self._client.namespace, self._client.name,
+                    )  # fmt: skip
+                    return
+            except KubeError as e:
+                _log.warning("leader election: %s; retrying", e)
+            if not said:
+                _log.info(
+                    "leader election: Lease %s/%s is held by another operator; standing by",
+                    self._client.namespace, self._client.name,
+                )  # fmt: skip
+                said = True
+            await asyncio.sleep(self._t.retry)
+
+    async def keep(self) -> None:
+        """Renew until leadership is lost, then raise :class:`LeadershipLostError`."""
+        last_ok = self._clock()
+        while True:
+            await asyncio.sleep(self._t.renew)
+            left = self._t.renew_deadline - (self._clock() - last_ok)
+            try:
+                ok = await asyncio.wait_for(self.try_acquire_or_renew(), timeout=max(left, 0.01))
+            except (KubeError, TimeoutError) as e:
+                ok = False
+                _log.warning("leader election: renewal failed: %s", e or type(e).__name__)
+            if ok:
+                last_ok = self._clock()
+                continue
+            if self._clock() - last_ok >= self._t.renew_deadline or not self._still_ours():
+                self.leading = False
+                raise LeadershipLostError(
+                    f"could not renew Lease {self._client.namespace}/{self._client.name} "
+                    f"within {self._t.renew_deadline:.1f}s (or another operator took it): "
+                    "stopping so that two operators never act at once"
+                )
+
+    def _still_ours(self) -> bool:
+        # A renewal that lost a race or found another holder means someone else leads.
+        return self.leading
+
+    async def release(self) -> None:
+        """Give the Lease up (a clean stop): a standby takes over without waiting."""
+        if not self.leading:
+            return
+        self.leading = False
+        try:
+            lease = await self._client.get()
+            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                return
+            spec = dict(lease["spec"])
+            spec["holderIdentity"] = ""
+            spec["renewTime"] = None
+            spec["acquireTime"] = None
+            await self._client.update(lease, spec)
+        except KubeError as e:
+            _log.warning("leader election: could not release the Lease: %s", e)
