@@ -171,9 +171,9 @@ async def _operate(config: OperatorConfig) -> None:
 
     from . import kube, leader, metrics
 
-    registry = metrics.Metrics()
-    runner = await metrics.serve(registry, port=config.metrics_port)
-    memo = kopf.Memo(config=config, metrics=registry, metrics_runner=runner)
+    registry, health = metrics.Metrics(), metrics.Health()
+    runner = await metrics.serve(registry, port=config.metrics_port, health=health)
+    memo = kopf.Memo(config=config, metrics=registry, health=health, metrics_runner=runner)
     if config.standalone:
         await kopf.operator(memo=memo, **kopf_operator_args(config))
         return

@@ -19,11 +19,11 @@ from typing import Any, cast
 
 import kopf
 
+from . import faults, notices, tokens, watches
 from . import kube as kube_mod
 from . import metrics as metrics_mod
-from . import notices, tokens, watches
 from .controller import ClusterView, JobMemory, Reconciler
-from .errors import BatonOperatorError
+from .errors import BatonOperatorError, KubeError
 from .settings import KEY_SECRET_NAME, OperatorConfig
 from .sidecars import SidecarClient
 
@@ -101,10 +101,13 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
     # __main__ serves /metrics and /healthz from before the leader election (a standby
     # must answer its probes too); a kopf run without __main__ (tests) serves them here.
     metrics = memo.get("metrics")
-    if not isinstance(metrics, metrics_mod.Metrics):
-        metrics = metrics_mod.Metrics()
-        memo["metrics"] = metrics
-        memo["metrics_runner"] = await metrics_mod.serve(metrics, port=config.metrics_port)
+    health = memo.get("health")
+    if not isinstance(metrics, metrics_mod.Metrics) or not isinstance(health, metrics_mod.Health):
+        metrics, health = metrics_mod.Metrics(), metrics_mod.Health()
+        memo["metrics"], memo["health"] = metrics, health
+        memo["metrics_runner"] = await metrics_mod.serve(
+            metrics, port=config.metrics_port, health=health
+        )
     sidecars = SidecarClient(
         port=config.sidecar_port, timeout_seconds=config.sidecar_timeout_seconds
     )
@@ -120,6 +123,8 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
         )
 
     kube = kube_mod.Kube(kube_mod.load_client(config.kubeconfig))
+    faults.instrument(kube, metrics, health)
+    memo["kube"], memo["post"] = kube, post
     key = await tokens.load_or_create_key(kube, config.operator_namespace, KEY_SECRET_NAME)
     memo["reconciler"] = Reconciler(
         kube=kube,
@@ -158,18 +163,28 @@ async def _job_daemon(
     wakers: dict[tuple[str, str], asyncio.Event] = memo["wakers"]
     wake = wakers.setdefault((namespace, name), asyncio.Event())
     memory = JobMemory()
+    api = faults.JobFaults()
+    kube: kube_mod.Kube = memo["kube"]
     try:
         while not stopped:
             try:
                 delay = await reconciler.tick(namespace, name, memory)
+            except KubeError as e:
+                # The API server refused or did not answer: back off, and once the fault
+                # persists say so in the job's status and Events (faults.py).
+                delay = api.backoff(config.tick_seconds)
+                logger.warning("reconcile failed, retrying in %.1fs: %s", delay, e)
+                await api.failed(kube, memo["post"], namespace, name, e)
             except BatonOperatorError as e:
-                # Retry at the next tick: the API server or a sidecar may be back by then.
+                # Retry at the next tick: a sidecar may be back by then.
                 logger.warning("reconcile failed, retrying: %s", e)
                 delay = config.tick_seconds
             except Exception:
                 # A bug must be loud, not fatal: log the traceback and keep the job driven.
                 logger.exception("unexpected error while reconciling; retrying")
                 delay = config.tick_seconds * 5
+            else:
+                await api.succeeded(kube, memo["post"], namespace, name)
             if delay is None:
                 return
             wake.clear()

@@ -1,12 +1,16 @@
 """The operator's Prometheus metrics (names in docs/contracts.md) and its HTTP endpoint.
 
 Labels are small bounded sets (namespace, job, phase, reason, source): never pod names or
-steps. ``/healthz`` answers 200 while the event loop is alive.
+steps. ``/healthz`` answers 200 while the operator can work: 503, with the cause, once every
+Kubernetes API call has failed for :attr:`Health.grace_seconds` (RBAC removed, API server
+down), so that the kubelet restarts it and the alerting sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Final
 
 from aiohttp import web
@@ -19,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-__all__ = ["Metrics", "serve"]
+__all__ = ["Health", "Metrics", "serve"]
 
 _JOB: Final = ("namespace", "job")
 _LATENCY_BUCKETS: Final = (0.5, 1, 2, 5, 10, 15, 30, 60, 90, 120, 180, 300, 600)
@@ -66,6 +70,11 @@ class Metrics:
             "baton_last_checkpoint_timestamp_seconds",
             "Unix time of the last committed checkpoint the operator saw (until the first: "
             "the job's creation time).", _JOB, registry=r,
+        )  # fmt: skip
+        self.api_errors = Counter(
+            "baton_operator_api_errors",
+            "Kubernetes API calls that failed, by verb and HTTP code (0: no answer, a timeout).",
+            ("verb", "code"), registry=r,
         )  # fmt: skip
         self.leader = Gauge(
             "baton_operator_leader",
@@ -132,13 +141,61 @@ def _remove(metric: Counter | Gauge | Histogram, labels: tuple[str, ...]) -> Non
         metric.remove(*labels)
 
 
-async def serve(metrics: Metrics, *, port: int, host: str = "0.0.0.0") -> web.AppRunner:  # noqa: S104
+class Health:
+    """Whether the operator can do its work, judged from its Kubernetes API calls."""
+
+    def __init__(
+        self, *, grace_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.grace_seconds = grace_seconds
+        """Failures for this long with no success in between make /healthz fail: longer
+        than a brief API-server restart, shorter than the kubelet's patience."""
+        self._clock = clock
+        self._failing_since: float | None = None
+        self._last_error = ""
+
+    def ok(self) -> None:
+        """An API call succeeded."""
+        self._failing_since = None
+
+    def failed(self, error: str) -> None:
+        """An API call failed (``error`` names the call and the HTTP status, never a token)."""
+        if self._failing_since is None:
+            self._failing_since = self._clock()
+        self._last_error = error
+
+    def failing_for(self) -> float:
+        """Seconds since API calls started failing without a success (0 when healthy)."""
+        if self._failing_since is None:
+            return 0.0
+        return self._clock() - self._failing_since
+
+    def problem(self) -> str | None:
+        """Why the operator cannot work, or None."""
+        if self._failing_since is None or self.failing_for() < self.grace_seconds:
+            return None
+        return (
+            f"every Kubernetes API call has failed for {self.failing_for():.0f}s; last: "
+            f"{self._last_error}"
+        )
+
+
+async def serve(
+    metrics: Metrics,
+    *,
+    port: int,
+    host: str = "0.0.0.0",  # noqa: S104
+    health: Health | None = None,
+) -> web.AppRunner:
     """Serve ``/metrics`` and ``/healthz`` on ``port``; returns the runner to clean up."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
+        problem = None if health is None else health.problem()
+        if problem is not None:
+            return web.Response(status=503, text=problem)
         return web.Response(text="ok")
 
     app = web.Application()
