@@ -10,6 +10,9 @@ and the ranks agree on the slowest estimate. If ``now + estimate`` is past
 The estimate is deliberately pessimistic: it uses the slowest of the recent observations and
 multiplies by a safety factor, because a skipped save costs the steps since the last
 checkpoint while a save cut off by the node's end costs the same *and* the deadline.
+
+Once a save has started, :func:`deadline_scope` carries its deadline down to the storage, whose
+retries (S3's) never start an attempt that could not finish before it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from trainer_sdk.storage._save_deadline import deadline_scope
 from trainer_sdk.storage.base import Storage
 
-__all__ = ["PROBE_PREFIX", "SaveEstimator", "probe_write"]
+__all__ = ["PROBE_PREFIX", "SaveEstimator", "deadline_scope", "probe_write"]
 
 PROBE_PREFIX = ".baton-probe"
 """Directory (under the checkpoint root) for probe objects; not a step directory, so readers

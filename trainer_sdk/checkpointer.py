@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from trainer_sdk import api, rng
 from trainer_sdk._collectives import all_gather_json, broadcast_json
-from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk._deadline import SaveEstimator, deadline_scope, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import ControlChannel, State, Status
 from trainer_sdk.errors import (
@@ -751,7 +751,13 @@ class Checkpointer:
                     self._board.served(local)
                     return self._after_notice(step, bg_error)
             self._update_status(state=State.SAVING)
-            info = self._save(step, trigger=trigger, background=False, prepared=prepared)
+            # Storage retries (S3) never start one that could not end before the margin.
+            with deadline_scope(
+                None
+                if agreement.deadline is None
+                else agreement.deadline - self.config.deadline_margin
+            ):
+                info = self._save(step, trigger=trigger, background=False, prepared=prepared)
             assert info is not None
             phases = {"drain": drain_s, "plan": plan_s, **info.phases}
             self._finish_notice(local, step, notice_t, phases, info.bytes)

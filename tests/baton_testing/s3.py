@@ -362,6 +362,8 @@ class Seen:
     status: int | None
     """The status the client got; None when it got no response (stall, drop, reset)."""
     fault: Action | None
+    at: float
+    """When the proxy had read the request (UNIX seconds)."""
 
     @property
     def part_number(self) -> int | None:
@@ -383,12 +385,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(501, "the fault proxy needs Content-Length request bodies")
             return
         body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+        arrived = time.time()
         op, bucket, key = classify(self.command, url.path, query)
         fault = proxy.pick_fault(op, key, query)
         status: int | None = None
         if fault is not None and fault.action in ("stall", "reset", "drop_response", "stall_body"):
             # Logged on arrival: the client may give up and retry before this handler ends.
-            proxy.record(self._seen(op, bucket, key, query, body, None, fault))
+            proxy.record(self._seen(op, bucket, key, query, body, None, fault, arrived))
         try:
             if fault is None:
                 status = self._forward(url, body, truncate=False)
@@ -409,7 +412,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
         finally:
             if fault is None or fault.action in ("error", "truncate_body"):
-                proxy.record(self._seen(op, bucket, key, query, body, status, fault))
+                proxy.record(self._seen(op, bucket, key, query, body, status, fault, arrived))
 
     def _seen(
         self,
@@ -420,6 +423,7 @@ class _Handler(BaseHTTPRequestHandler):
         body: bytes,
         status: int | None,
         fault: Fault | None,
+        arrived: float,
     ) -> Seen:
         return Seen(
             op=op,
@@ -432,6 +436,7 @@ class _Handler(BaseHTTPRequestHandler):
             body_len=len(body),
             status=status,
             fault=None if fault is None else fault.action,
+            at=arrived,
         )
 
     def do_GET(self) -> None:

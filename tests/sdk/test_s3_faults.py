@@ -4,15 +4,21 @@ drops connections."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from collections import defaultdict
 
 import botocore.exceptions
 import pytest
+import torch
 from baton_testing.s3 import Fault, FaultProxy, S3Bucket
 
-from trainer_sdk.errors import StorageError
+import trainer_sdk
+from trainer_sdk._deadline import deadline_scope
+from trainer_sdk.errors import BatonError, StorageError
+from trainer_sdk.storage._s3_retry import DeadlineError
 from trainer_sdk.storage.s3 import MiB, S3Config, S3Storage
 
 PART = 5 * MiB
@@ -358,3 +364,106 @@ def test_sdk_rounds_outlast_botocore_retry_quota(s3_faults: S3Bucket) -> None:
         st.write_atomic(f"step-1/f{i:02d}", b"x")
     assert len(s3_faults.keys("ckpt/step-1/")) == 40
     assert sum(s.status == 500 for s in _proxy(s3_faults).seen("PutObject")) == 80
+
+
+# -- a save with a deadline (a notice save) never starts a retry that cannot finish before it --
+
+
+def test_no_retry_starts_that_cannot_finish_before_the_deadline(s3_faults: S3Bucket) -> None:
+    """Part 2 stalls past the 1 s read timeout. Without a deadline it would be tried 6 times
+    (FAST: 3 attempts x 2 rounds); with 1.8 s left, another 1 s attempt cannot fit after the
+    first, so none is started: the save fails at once, with the stall as its cause."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({2}), action="stall", seconds=10))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    deadline = time.time() + 1.8
+    with (
+        deadline_scope(deadline),
+        pytest.raises(StorageError, match="could not finish before the save's deadline") as info,
+    ):
+        _upload(st, "step-5/shard", os.urandom(2 * PART + 1))
+    assert isinstance(info.value.__cause__, DeadlineError)
+    assert isinstance(info.value.__cause__.__cause__, botocore.exceptions.ReadTimeoutError)
+    assert "upload part 2 of" in str(info.value)
+    part2 = [s for s in proxy.seen("UploadPart") if s.part_number == 2]
+    assert [s.fault for s in part2] == ["stall"]  # no retry, and none inside botocore either
+    assert s3_faults.multipart_uploads() == []  # aborted
+    assert not st.exists("step-5/shard")
+
+
+def test_retries_that_fit_the_deadline_are_made(
+    s3_faults: S3Bucket, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With time to spare the part is retried until it goes through, every attempt by the
+    SDK itself (botocore's retries are off under a deadline, so that each one is weighed
+    against it), as many in all as without a deadline: 3 attempts x 2 rounds."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({1}), status=503, times=4))
+    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    data = os.urandom(PART + 10)
+    with (
+        caplog.at_level(logging.WARNING, logger="trainer_sdk.storage.s3"),
+        deadline_scope(time.time() + 120),
+    ):
+        _upload(st, "shard", data)
+    assert s3_faults.get("ckpt/shard") == data
+    assert [s.status for s in proxy.seen("UploadPart") if s.part_number == 1] == [
+        503,
+        503,
+        503,
+        503,
+        200,
+    ]
+    assert caplog.text.count("of 6) in") == 4  # rounds 2..5 of 6, all the SDK's
+    # Outside the scope botocore retries again (its attempts are not logged by the SDK).
+    proxy.clear()
+    caplog.clear()
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({1}), status=503, times=1))
+    _upload(st, "shard2", data)
+    assert [s.status for s in proxy.seen("UploadPart") if s.part_number == 1] == [503, 200]
+    assert "the SDK retries it" not in caplog.text
+
+
+def test_backoff_is_shortened_to_fit_the_deadline(s3_faults: S3Bucket) -> None:
+    """A backoff of up to 1000 s would outlast a 6 s deadline: it is cut to at most half of
+    the time left after another attempt, so the retry is made and the save ends in time."""
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", part_numbers=frozenset({1}), status=503, times=1))
+    slow = dataclasses.replace(FAST, backoff_base=1000.0, backoff_max=1000.0)
+    st = S3Storage.from_uri(s3_faults.uri(), config=slow)
+    data = os.urandom(PART + 10)
+    deadline = time.time() + 6
+    with deadline_scope(deadline):
+        _upload(st, "shard", data)
+    assert time.time() < deadline
+    assert s3_faults.get("ckpt/shard") == data
+    assert [s.status for s in proxy.seen("UploadPart") if s.part_number == 1] == [503, 200]
+
+
+def test_notice_save_gives_up_before_its_deadline(
+    s3_faults: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the Checkpointer: a notice with 20 s left (3 s margin) and an S3 that stalls
+    every part of the shard. The save starts (the probe was fast), is retried while a retry
+    can end before the deadline minus the margin, then fails instead of retrying for a
+    minute past the node's end (5 botocore attempts x 3 SDK rounds of 1 s timeouts, plus
+    backoffs of up to 20 s)."""
+    monkeypatch.setenv("BATON_S3_PART_SIZE_MIB", "5")
+    monkeypatch.setenv("BATON_S3_READ_TIMEOUT", "1")
+    proxy = _proxy(s3_faults)
+    proxy.add(Fault(op="UploadPart", key="*.safetensors", action="stall", seconds=30))
+    model = torch.nn.Linear(1024, 1536)  # 6 MiB of weights: a multipart upload
+    ck = trainer_sdk.Checkpointer(
+        s3_faults.uri(), model=model, handle_sigterm=False, deadline_margin=3.0, probe_bytes=MiB
+    )
+    deadline = time.time() + 20.0
+    ck.request_checkpoint(deadline=deadline, reason="test notice")
+    with pytest.raises(BatonError, match="could not finish before the save's deadline"):
+        ck.step(1)
+    parts = proxy.seen("UploadPart")
+    assert parts
+    assert all(s.fault == "stall" for s in parts)
+    assert all(s.at < deadline - 3.0 for s in parts)  # no attempt began past the margin
+    assert s3_faults.multipart_uploads() == []
+    assert trainer_sdk.latest_step(s3_faults.uri()) is None
+    ck.close()

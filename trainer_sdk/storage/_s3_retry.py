@@ -13,6 +13,14 @@ for the requests that move checkpoint data (part uploads, ranged GETs, small PUT
 
 The loop re-issues the same call with the same arguments, so a retried part re-sends the very
 same buffer: nothing is consumed from a stream between attempts.
+
+A save with a deadline (a notice save, see ``_save_deadline``) never starts a retry that cannot
+finish before it: the loop estimates a retry's length by how long the failed attempt took,
+waits at most half the time to spare, and when a retry would not fit, gives up at once with
+:class:`DeadlineError`, leaving the remaining seconds to the caller (to abort, report and exit
+before the node goes). For that to hold for every attempt, :class:`~.s3.S3Storage` sends such a
+save's requests through a client with botocore's own retries off, and this loop makes all of the
+attempts (``max_attempts * retry_rounds`` of them).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import errno
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,6 +41,7 @@ from trainer_sdk.errors import StorageError
 
 __all__ = [
     "CancelledError",
+    "DeadlineError",
     "RetryPolicy",
     "ShortReadError",
     "describe",
@@ -82,6 +92,20 @@ class ShortReadError(Exception):
 
 class CancelledError(Exception):
     """The operation this call belonged to was abandoned (another part failed)."""
+
+
+class DeadlineError(Exception):
+    """A request failed, and another attempt could not have finished before the save's
+    deadline, so none was started. The failure is the ``__cause__``."""
+
+    def __init__(self, what: str, *, left: float, attempt_s: float) -> None:
+        self.reason = (
+            "no retry was started, because it could not finish before the save's deadline "
+            f"({max(left, 0.0):.2f}s were left; the failed attempt took {attempt_s:.2f}s)"
+        )
+        super().__init__(f"{what}: {self.reason}")
+        self.left = left
+        self.attempt_s = attempt_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,16 +171,21 @@ def retrying(
     *,
     policy: RetryPolicy,
     cancel: threading.Event | None = None,
+    deadline: float | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, a non-retryable error occurs, or the rounds run out.
 
     Exponential backoff with full jitter between rounds (delays uniform in
     ``[0, min(backoff_max, backoff_base * 2**round)]``), so that many parts failing together
     do not retry in lockstep. ``cancel`` cuts the waiting short when the whole operation failed.
+    ``deadline`` (a ``time.monotonic()`` instant): a retry is started only if another attempt as
+    long as the failed one ends before it, after a backoff cut to at most half the slack left;
+    if it cannot, :class:`DeadlineError` is raised from the failure.
     """
     for attempt in range(1, policy.rounds + 1):
         if cancel is not None and cancel.is_set():
             raise CancelledError(what)
+        started = time.monotonic()
         try:
             return fn()
         except Exception as e:
@@ -165,6 +194,13 @@ def retrying(
             delay = random.uniform(  # noqa: S311 - jitter, not cryptography
                 0.0, min(policy.backoff_max, policy.backoff_base * 2 ** (attempt - 1))
             )
+            if deadline is not None:
+                now = time.monotonic()
+                attempt_s, room = now - started, deadline - now
+                if attempt_s >= room:
+                    raise DeadlineError(what, left=room, attempt_s=attempt_s) from e
+                # Wait at most half the slack, so that a failed retry leaves time for another.
+                delay = min(delay, (room - attempt_s) / 2)
             log.warning(
                 "%s failed (%s); the SDK retries it (round %d of %d) in %.2fs",
                 what,
@@ -188,6 +224,14 @@ def translate(e: BaseException, *, action: str, uri: str, bucket: str, endpoint:
     """
     if isinstance(e, CancelledError):
         return StorageError(f"{action} {uri} was abandoned because another part failed")
+    if isinstance(e, DeadlineError):
+        cause = e.__cause__
+        return StorageError(
+            f"{action} {uri} failed ({describe(cause) if cause is not None else 'unknown'}) "
+            f"and {e.reason}. The job resumes from the previous checkpoint; "
+            "if S3 is often this slow, give the notice more time (deadline_margin, the "
+            "provider's grace period) or save periodically more often"
+        )
     code, status = error_code(e)
     if code == "NoSuchBucket":
         return StorageError(

@@ -18,6 +18,7 @@ the credentials chain) and from :class:`S3Config`. Credentials are never logged.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -37,6 +38,7 @@ import botocore.session
 
 from trainer_sdk.errors import StorageError
 from trainer_sdk.storage import _s3_retry as _retry
+from trainer_sdk.storage import _save_deadline
 
 __all__ = ["S3Config", "S3Storage"]
 
@@ -243,9 +245,20 @@ class S3Storage:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.config = config or S3Config()
-        self._client = client if client is not None else self._make_client(self.config)
+        self._main_client = client if client is not None else self._make_client(self.config)
+        self._client_given = client is not None
+        self._once_client: Any = None
+        self._once_lock = threading.Lock()
+        self._calling = threading.local()
         self._policy = _retry.RetryPolicy(
             rounds=self.config.retry_rounds,
+            backoff_base=self.config.backoff_base,
+            backoff_max=self.config.backoff_max,
+        )
+        # A save with a deadline: every attempt is the SDK's own, so that each one can be
+        # weighed against the deadline (see _s3_retry); as many attempts in all as otherwise.
+        self._deadline_policy = _retry.RetryPolicy(
+            rounds=self.config.retry_rounds * self.config.max_attempts,
             backoff_base=self.config.backoff_base,
             backoff_max=self.config.backoff_max,
         )
@@ -311,6 +324,48 @@ class S3Storage:
     def _uri_of(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    @property
+    def _client(self) -> Any:
+        """The boto3 client for the request this thread is making: inside a save with a
+        deadline (:meth:`_retrying`), one with botocore's own retries off."""
+        if not getattr(self._calling, "deadline", False):
+            return self._main_client
+        with self._once_lock:
+            if self._once_client is None:
+                # A client passed in by the caller cannot be copied with other retries.
+                self._once_client = (
+                    self._main_client
+                    if self._client_given
+                    else self._make_client(dataclasses.replace(self.config, max_attempts=1))
+                )
+            return self._once_client
+
+    def _retrying(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        cancel: threading.Event | None = None,
+        deadline: float | None = None,
+    ) -> T:
+        """``fn`` with the SDK's retries; within the save's deadline when there is one
+        (``deadline``, else the one of this thread's save: see ``_save_deadline``)."""
+        if deadline is None:
+            deadline = _save_deadline.current()
+        if deadline is None:
+            return _retry.retrying(what, fn, policy=self._policy, cancel=cancel)
+
+        def attempt() -> T:
+            self._calling.deadline = True
+            try:
+                return fn()
+            finally:
+                self._calling.deadline = False
+
+        return _retry.retrying(
+            what, attempt, policy=self._deadline_policy, cancel=cancel, deadline=deadline
+        )
+
     def _call(
         self,
         action: str,
@@ -318,11 +373,12 @@ class S3Storage:
         fn: Callable[[], T],
         *,
         cancel: threading.Event | None = None,
+        deadline: float | None = None,
     ) -> T:
         """Run one S3 request (with the SDK's retry rounds) and translate its failure."""
         try:
-            return _retry.retrying(
-                f"{action} {self._uri_of(key)}", fn, policy=self._policy, cancel=cancel
+            return self._retrying(
+                f"{action} {self._uri_of(key)}", fn, cancel=cancel, deadline=deadline
             )
         except Exception as e:
             raise self._translate(e, action, key) from e
@@ -454,14 +510,15 @@ class S3Storage:
             return
         chunk = self.config.read_chunk_size
         ranges = [(o, min(chunk, n - o)) for o in range(0, n, chunk)]
+        deadline = _save_deadline.current()  # read here: the pool's threads do not see it
         if len(ranges) == 1:
-            self._read_range(key, offset, dest, None)
+            self._read_range(key, offset, dest, None, deadline)
             return
         cancel = threading.Event()
         workers = min(self.config.max_concurrency, len(ranges))
         with ThreadPoolExecutor(workers, thread_name_prefix="baton-s3-get") as pool:
             futures = [
-                pool.submit(self._read_range, key, offset + o, dest[o : o + ln], cancel)
+                pool.submit(self._read_range, key, offset + o, dest[o : o + ln], cancel, deadline)
                 for o, ln in ranges
             ]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -474,7 +531,12 @@ class S3Storage:
                 failed.result()  # raises the first error, already translated
 
     def _read_range(
-        self, key: str, offset: int, dest: memoryview, cancel: threading.Event | None
+        self,
+        key: str,
+        offset: int,
+        dest: memoryview,
+        cancel: threading.Event | None,
+        deadline: float | None,
     ) -> None:
         end = offset + len(dest)
 
@@ -502,7 +564,7 @@ class S3Storage:
             finally:
                 body.close()
 
-        self._call("read", key, get, cancel=cancel)
+        self._call("read", key, get, cancel=cancel, deadline=deadline)
 
     def _short_object(self, key: str, end: int) -> EOFError:
         return EOFError(
@@ -512,10 +574,9 @@ class S3Storage:
 
     def _head(self, key: str) -> dict[str, Any] | None:
         try:
-            head: dict[str, Any] = _retry.retrying(
+            head: dict[str, Any] = self._retrying(
                 f"head {self._uri_of(key)}",
                 lambda: self._client.head_object(Bucket=self.bucket, Key=key),
-                policy=self._policy,
             )
         except Exception as e:
             if _retry.is_not_found(e):
@@ -670,6 +731,8 @@ class _S3Writer:
         self._fill = 0
         self._upload: _Upload | None = None
         self._state: Literal["open", "committed", "aborted", "failed"] = "open"
+        self._deadline = _save_deadline.current()
+        """The save's deadline, read in the opening thread: the part threads do not see it."""
 
     @property
     def uri(self) -> str:
@@ -729,6 +792,7 @@ class _S3Writer:
             "start upload of",
             self._key,
             lambda: s._client.create_multipart_upload(Bucket=s.bucket, Key=self._key, **extra),
+            deadline=self._deadline,
         )
         self._upload = _Upload(
             upload_id=resp["UploadId"],
@@ -754,6 +818,7 @@ class _S3Writer:
                     **extra,
                 ),
                 cancel=up.cancel,
+                deadline=self._deadline,
             )
         except BaseException as e:
             with up.lock:
@@ -785,6 +850,7 @@ class _S3Writer:
                     "write",
                     self._key,
                     lambda: s._client.put_object(Bucket=s.bucket, Key=self._key, Body=body),
+                    deadline=self._deadline,
                 )
             else:
                 if self._fill:
@@ -823,7 +889,7 @@ class _S3Writer:
             )
 
         try:
-            _retry.retrying(f"complete upload of {self.uri}", complete, policy=s._policy)
+            s._retrying(f"complete upload of {self.uri}", complete, deadline=self._deadline)
         except Exception as e:
             # A retried Complete whose first attempt succeeded (the response was lost) gets
             # NoSuchUpload: the object is there if its ETag is the one these parts make.
