@@ -100,6 +100,7 @@ __all__ = [
     "RankRecord",
     "SaveInfo",
     "SavePlan",
+    "check_writable",
     "classify_load_error",
     "cleanup_incomplete",
     "commit",
@@ -358,6 +359,15 @@ class RankRecord:
         }
 
 
+def _refuse_if_committed(storage: Storage, step: int) -> None:
+    if storage.exists(_manifest_key(step)):
+        raise CheckpointError(
+            f"step {step} under {storage.uri} was committed by another writer while this one "
+            "was writing it; nothing of it was overwritten. Two trainers are writing to one "
+            "checkpoint uri: stop the stale one, or give each run its own uri"
+        )
+
+
 def _json_default(v: Any) -> Any:
     raise TypeError(f"{type(v).__name__} is not JSON-serialisable")
 
@@ -405,6 +415,7 @@ def write_rank(
             },
             block_size=block_size,
         )
+        _refuse_if_committed(storage, step)  # never publish a file into a committed step
         writer.commit()
     except BaseException:
         writer.abort()
@@ -413,6 +424,7 @@ def write_rank(
         jdata = json.dumps(json_tree, allow_nan=False, default=_json_default).encode()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the JSON part of the state cannot be encoded: {e}") from e
+    _refuse_if_committed(storage, step)
     storage.write_atomic(file_path(step, jname), jdata)
     files = {
         sname: FileEntry(size=res.size, sha256=res.sha256, data_start=res.data_start),
@@ -463,7 +475,37 @@ def _now() -> str:
 
 
 def _error_json(rank: int, err: BaseException) -> dict[str, Any]:
-    return {"ok": False, "rank": rank, "error": f"{type(err).__name__}: {err}"}
+    out: dict[str, Any] = {"ok": False, "rank": rank, "error": f"{type(err).__name__}: {err}"}
+    if isinstance(err, SupersededError):
+        out.update(superseded=[err.attempt, err.newer], msg=str(err))
+    return out
+
+
+def check_writable(storage: Storage, step: int, attempt: int | None) -> None:
+    """Refuse to write into ``step`` if it is already committed, or if a newer attempt than
+    ``attempt`` has started under the root (fencing). Every rank calls it before writing its
+    files, so a stale writer stops before it touches anything."""
+    if attempt is not None:
+        fence, _ = _catalog.read_fence(storage)
+        if fence > attempt:
+            raise _superseded(storage, step, attempt, fence)
+    if storage.exists(_manifest_key(step)):
+        raise CheckpointError(
+            f"step {step} is already committed under {storage.uri} (by another writer, or an "
+            "earlier save): nothing was overwritten. Two trainers may be writing to one "
+            "checkpoint uri: give each run its own uri"
+        )
+
+
+def _superseded(storage: Storage, step: int, attempt: int, newest: int) -> SupersededError:
+    return SupersededError(
+        f"step {step} was not committed: this writer is attempt {attempt}, but attempt "
+        f"{newest} of the job has since started writing under {storage.uri}. This process "
+        "is a stale copy (its node was probably partitioned and its pods replaced): stop "
+        "it. Nothing of the newer attempt was touched",
+        attempt=attempt,
+        newer=newest,
+    )
 
 
 def _build_manifest(
@@ -551,6 +593,10 @@ def commit(
     failures = {r: str(rec.get("error")) for r, rec in enumerate(records) if not rec.get("ok")}
     if failures:
         first = min(failures)
+        stale = next((rec for rec in records if "superseded" in rec), None)
+        if stale is not None:  # fenced: every rank says so, not "rank r failed"
+            mine, newer = stale["superseded"]
+            raise SupersededError(str(stale["msg"]), attempt=int(mine), newer=int(newer))
         raise RankFailedError(rank=first, cause=failures[first], failures=failures)
     digests = {rec["replicated_digest"] for rec in records}
     if len(digests) > 1:
@@ -568,8 +614,6 @@ def commit(
             manifest = _commit_manifest(storage, manifest, attempt)
         except Exception as e:  # reported to every rank below
             outcome = _error_json(0, e)
-            if isinstance(e, SupersededError):
-                outcome.update(superseded=[e.attempt, e.newer], msg=str(e))
             if world == 1:
                 raise
         else:
@@ -610,14 +654,7 @@ def _commit_manifest(storage: Storage, manifest: Manifest, attempt: int | None) 
     if attempt is None:
         attempt = newest
     elif attempt < newest:
-        raise SupersededError(
-            f"step {step} was not committed: this writer is attempt {attempt}, but attempt "
-            f"{newest} of the job has since started writing under {storage.uri}. This process "
-            "is a stale copy (its node was probably partitioned and its pods replaced): stop "
-            "it. Nothing of the newer attempt was touched",
-            attempt=attempt,
-            newer=newest,
-        )
+        raise _superseded(storage, step, attempt, newest)
     manifest = dataclasses.replace(manifest, attempt=attempt)
     data = manifest.to_json_bytes()
     Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
@@ -739,6 +776,7 @@ def write_and_commit(
     else:
         t = time.perf_counter()
         try:
+            check_writable(storage, step, attempt)
             record = write_rank(storage, plan, tensors, json_tree, step=step, flat=flat)
             phases["write"] = time.perf_counter() - t
             phases["hash"] = record.hash_seconds

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from trainer_sdk import api, rng
 from trainer_sdk._collectives import all_gather_json, broadcast_json
-from trainer_sdk._deadline import SaveEstimator, deadline_scope, probe_write
+from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import ControlChannel, State, Status
 from trainer_sdk.errors import (
@@ -751,13 +751,7 @@ class Checkpointer:
                     self._board.served(local)
                     return self._after_notice(step, bg_error)
             self._update_status(state=State.SAVING)
-            # Storage retries (S3) never start one that could not end before the margin.
-            with deadline_scope(
-                None
-                if agreement.deadline is None
-                else agreement.deadline - self.config.deadline_margin
-            ):
-                info = self._save(step, trigger=trigger, background=False, prepared=prepared)
+            info = self._save(step, trigger=trigger, background=False, prepared=prepared)
             assert info is not None
             phases = {"drain": drain_s, "plan": plan_s, **info.phases}
             self._finish_notice(local, step, notice_t, phases, info.bytes)
@@ -800,12 +794,32 @@ class Checkpointer:
     # ---- helpers --------------------------------------------------------------------------
 
     def _register_attempt(self) -> None:
-        """Rank 0 records this writer's attempt in the fence (once): ``BATON_ATTEMPT``, or a
-        generation derived from the uri's history outside Kubernetes."""
-        if self._attempt is not None or self.rank != 0:
+        """Record this writer's attempt in the fence, once (``BATON_ATTEMPT``, or a generation
+        derived from the uri's history outside Kubernetes). Rank 0 registers it and every
+        rank learns it (bounded), so that every rank can refuse to write once superseded."""
+        if self._attempt is not None:
             return
-        self._attempt = api.register_attempt(self.storage, _env_int("BATON_ATTEMPT"))
-        log.info("writing under %s as attempt %d", self.config.uri, self._attempt)
+        attempt: Any = None
+        error: str | None = None
+        if self.rank == 0:
+            try:
+                attempt = api.register_attempt(self.storage, _env_int("BATON_ATTEMPT"))
+            except Exception as e:
+                if self._group is None:
+                    raise
+                error = f"{type(e).__name__}: {e}"
+        if self._group is not None:
+            attempt, error = broadcast_json(
+                [attempt, error],
+                group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+                what="registering the attempt",
+            )
+        if error is not None:
+            raise CheckpointError(f"rank 0 could not register this run's attempt: {error}")
+        self._attempt = int(attempt)
+        if self.rank == 0:
+            log.info("writing under %s as attempt %d", self.config.uri, self._attempt)
 
     def _agreed_steps(self) -> list[int]:
         """Rank 0's list of step directories (complete or not), on every rank; bounded."""

@@ -12,6 +12,7 @@ from trainer_sdk.api import flatten
 from trainer_sdk.errors import ManifestError, UnsupportedFormatError
 from trainer_sdk.layout import (
     FORMAT_NAME,
+    FORMAT_VERSION,
     Manifest,
     check_name,
     parse_latest,
@@ -118,7 +119,10 @@ def test_invalid_manifests_are_refused(mutate: Any, message: str) -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda m: m.update(version=2), "format version 2 is not supported.*upgrade trainer_sdk"),
+        (
+            lambda m: m.update(version=FORMAT_VERSION + 1),
+            f"format version {FORMAT_VERSION + 1} is not supported.*upgrade trainer_sdk",
+        ),
         (lambda m: m["tensors"]["w"].update(dtype="F4"), "dtype 'F4'.*upgrade trainer_sdk"),
         (lambda m: m["tensors"]["w"]["pieces"][0].update(dtype="F4"), "dtype 'F4'.*upgrade"),
     ],
