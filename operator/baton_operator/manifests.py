@@ -223,6 +223,9 @@ def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
             _env("BATON_CONTROL_DIR", CONTROL_DIR),
             _env("BATON_JOB", spec.key),
             _env("BATON_CLOUD", config.sidecar_cloud),
+            # Long enough for a standby operator to take over and read a notice save's outcome
+            # (docs/operator.md, "High availability"); the pod's grace period caps it.
+            _env("BATON_SIDECAR_LINGER", config.sidecar_linger_seconds),
         ],
         "ports": [{"name": "baton-ctl", "containerPort": config.sidecar_port, "protocol": "TCP"}],
         "volumeMounts": [

@@ -62,6 +62,11 @@ class OperatorConfig:
     """The sidecar's HTTP port (docs/contracts.md)."""
     sidecar_cloud: str = "auto"
     """``BATON_CLOUD`` for the sidecar: which cloud metadata service it polls for notices."""
+    sidecar_linger_seconds: float = 15.0
+    """``BATON_SIDECAR_LINGER``: after its trainer exits, a sidecar whose checkpoint outcome
+    nobody has read keeps answering this long. Above a standby's takeover (lease duration +
+    retry) plus kopf's start, so an operator killed mid-``Checkpointing`` is succeeded by one
+    that still hears every rank's committed step; the pod's grace period caps it."""
     sidecar_timeout_seconds: float = 5.0
     """Per-request timeout when talking to a sidecar; a sidecar on a dying node may hang."""
     tick_seconds: float = 1.0

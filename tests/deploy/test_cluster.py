@@ -42,7 +42,7 @@ RULES = ROOT / "deploy" / "prometheus" / "baton-rules.yaml"
 RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
 # The local cluster has no cloud metadata service: the sidecars need not look for one.
 NO_CLOUD = ("--set", "operator.extraArgs={--sidecar-cloud=none}")
-CRDS = {"trainingjobs.baton.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+CRDS = {"trainingjobs.baton.dev"}
 
 
 def _json(cluster: LocalCluster, *args: str) -> Any:
@@ -101,13 +101,26 @@ def _wait_operator_ready(cluster: LocalCluster, namespace: str, deployment: str)
         check=False, timeout=200,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + _diagnostics(cluster, [namespace])
-    (pod,) = _json(cluster, "get", "pods", "-n", namespace)["items"]
-    assert pod["status"]["phase"] == "Running"
-    # Run by a node agent as a local process, and admitted under "restricted".
-    assert pod["spec"]["nodeName"]
-    (status,) = pod["status"]["containerStatuses"]
-    assert status["ready"] is True
-    assert pod["spec"]["containers"][0]["command"] == ["baton-operator"]
+    pods = _json(cluster, "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/name")["items"]
+    # Two replicas (one active through the Lease, one standing by), both Ready.
+    assert len(pods) == 2, [p["metadata"]["name"] for p in pods]
+    for pod in pods:
+        assert pod["status"]["phase"] == "Running"
+        # Run by a node agent as a local process, and admitted under "restricted".
+        assert pod["spec"]["nodeName"]
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["ready"] is True
+        assert pod["spec"]["containers"][0]["command"] == ["baton-operator"]
+    names = {p["metadata"]["name"] for p in pods}
+    deadline = time.monotonic() + 60
+    holder = ""
+    while time.monotonic() < deadline and holder not in names:
+        lease = cluster.kubectl("get", "lease", "baton-operator", "-n", namespace, "-o", "json",
+                                check=False)  # fmt: skip
+        if lease.returncode == 0:
+            holder = json.loads(lease.stdout)["spec"].get("holderIdentity") or ""
+        time.sleep(0.5)
+    assert holder in names, f"the Lease is held by {holder!r}, not by one of {sorted(names)}"
 
 
 def _training_job(
@@ -197,13 +210,14 @@ def _run_job_to_success(cluster: LocalCluster, job: dict[str, Any], watch: list[
 
 def _leftovers(cluster: LocalCluster, selector: str, namespace: str) -> list[str]:
     kinds = (
-        "deployments,replicasets,pods,services,serviceaccounts,networkpolicies,configmaps,secrets"
+        "deployments,replicasets,pods,services,serviceaccounts,networkpolicies,configmaps,secrets,"
+        "roles,rolebindings"
     )
     left = [
         f"{i['kind']}/{i['metadata']['name']}"
         for i in _json(cluster, "get", kinds, "-n", namespace, "-l", selector)["items"]
     ]
-    cluster_kinds = "clusterroles,clusterrolebindings,clusterkopfpeerings"
+    cluster_kinds = "clusterroles,clusterrolebindings"
     left += [
         f"{i['kind']}/{i['metadata']['name']}"
         for i in _json(cluster, "get", cluster_kinds, "-l", selector)["items"]
