@@ -4,23 +4,28 @@
     python -m trainer_sdk inspect URI [--step N]  one manifest in human form
     python -m trainer_sdk verify URI [--step N]   every file's size and sha256 (progress on
                                                   stderr); exit status 1 on any corruption
-    python -m trainer_sdk export-hf URI OUT [--step N] [--max-shard-size 5GB] [--prefix P]
-                                  [--overwrite]
+    python -m trainer_sdk export-hf URI OUT (--config PATH | --weights-only) [--step N]
+                                  [--max-shard-size 5GB] [--prefix P] [--overwrite]
 
 ``ls``, ``inspect`` and ``verify`` do not import torch, so they start fast on any machine that
-can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found.
+can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found,
+141 when the reader of the output went away (``| head``), as for a process killed by SIGPIPE.
+
+Progress goes to stderr: redrawn in place on a terminal, as a plain line now and then in a log.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import TextIO
 
 from trainer_sdk import _catalog
+from trainer_sdk._progress import Progress
 from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.layout import (
     Manifest,
@@ -35,6 +40,7 @@ from trainer_sdk.storage import Storage, open_storage
 __all__ = ["main"]
 
 _CHUNK = 8 * 1024 * 1024
+_EXIT_PIPE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
 
 
 def _human(n: float) -> str:
@@ -94,15 +100,31 @@ def cmd_inspect(storage: Storage, step: int | None, out: TextIO) -> int:
     for name, f in m.files.items():
         print(f"  {name:<36} {_human(f.size):>10}  sha256 {f.sha256[:16]}…", file=out)
     print(f"\ntensors ({len(m.tensors)}):", file=out)
-    kw = max((len(k) for k in m.tensors), default=10)
-    for key, t in m.tensors.items():
-        nbytes = sum(p.nbytes for p in t.pieces)
-        shape = "x".join(map(str, t.shape)) or "scalar"
-        print(
-            f"  {key:<{kw}}  {t.kind:<10} {t.dtype:<5} {shape:<16} "
-            f"{len(t.pieces):>3} piece(s) {_human(nbytes):>10}",
-            file=out,
-        )
+    # Keys are "<top-level key>.<the object's own key>" ("model." + "model.layers.0..." for a
+    # transformers model): show each top-level prefix once, as a heading, and the keys under
+    # it as the object names them, so that export-hf's --prefix is the heading.
+    # Keys without a dot are listed first, as they are.
+    groups: dict[str, list[str]] = {}
+    for key in m.tensors:
+        top, sep, _ = key.partition(".")
+        groups.setdefault(top + sep if sep else "", []).append(key)
+    kw = max((len(k) - len(p) for p, keys in groups.items() for k in keys), default=10)
+    for prefix in sorted(groups, key=bool):  # "" (no heading) first, then checkpoint order
+        keys = groups[prefix]
+        indent = "  "
+        if prefix:
+            size = sum(p.nbytes for k in keys for p in m.tensors[k].pieces)
+            print(f"  {prefix}  ({len(keys)} tensors, {_human(size)})", file=out)
+            indent = "    "
+        for key in keys:
+            t = m.tensors[key]
+            nbytes = sum(p.nbytes for p in t.pieces)
+            shape = "x".join(map(str, t.shape)) or "scalar"
+            print(
+                f"{indent}{key[len(prefix) :]:<{kw}}  {t.kind:<10} {t.dtype:<5} {shape:<16} "
+                f"{len(t.pieces):>3} piece(s) {_human(nbytes):>10}",
+                file=out,
+            )
     return 0
 
 
@@ -111,6 +133,7 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
     total = sum(f.size for f in m.files.values())
     done = 0
     t0 = time.monotonic()
+    progress = Progress(err)
     buf = bytearray(_CHUNK)
     for i, (name, f) in enumerate(m.files.items(), 1):
         path = file_path(m.step, name)
@@ -136,12 +159,9 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
                 head = bytes(view)
             done += n
             rate = done / max(time.monotonic() - t0, 1e-6)
-            print(
-                f"\rverifying {i}/{len(m.files)} files, {_human(done)} of {_human(total)} "
-                f"({_human(rate)}/s)",
-                end="",
-                file=err,
-                flush=True,
+            progress.update(
+                f"verifying {i}/{len(m.files)} files, {_human(done)} of {_human(total)} "
+                f"({_human(rate)}/s)"
             )
         if h.hexdigest() != f.sha256:
             problems.append(f"{path}: sha256 {h.hexdigest()} differs from the manifest's")
@@ -156,7 +176,7 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
                 check_header_matches(header, pieces, f, path=path)
             except BatonError as e:
                 problems.append(str(e))
-    print("", file=err)
+    progress.done()
     return problems
 
 
@@ -196,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Consolidate the model weights of a checkpoint (any world size) into "
             "model.safetensors, or model-0000i-of-0000N.safetensors shards plus "
-            "model.safetensors.index.json."
+            "model.safetensors.index.json, with the model's config.json."
         ),
     )
     ex.add_argument("uri", help="checkpoint root: a path, file:// or s3://")
@@ -209,11 +229,35 @@ def _parser() -> argparse.ArgumentParser:
         "--prefix", default="model.", help="key prefix of the model's tensors (stripped)"
     )
     ex.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    what = ex.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--config",
+        help="the model's config.json (or a folder holding one), written beside the weights",
+    )
+    what.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="write no config.json (from_pretrained cannot load the folder by itself)",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not at exit
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly. Point stdout at /dev/null so
+        # that the interpreter's own flush at exit cannot raise a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return _EXIT_PIPE
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     try:
         if args.cmd == "export-hf":

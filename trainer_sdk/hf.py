@@ -15,18 +15,24 @@ tensors in checkpoint order, a new shard when the next tensor would pass ``max_s
 a tensor larger than that in a shard of its own (which also closes the shard before it, so the
 files follow checkpoint order). When everything fits in one shard, the output is a single
 ``model.safetensors`` with no index, as ``save_pretrained`` does.
+
+The model's config is written beside the weights as ``config.json``: without it,
+``from_pretrained`` on the folder builds a *default* model of the class (for Llama a 7B-shaped
+one: slow, and a memory hazard) instead of failing. So :func:`export_hf` refuses to export
+without a config, unless told ``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -35,11 +41,13 @@ import torch
 from safetensors.torch import save_file
 
 from trainer_sdk import api
+from trainer_sdk._progress import Progress
 from trainer_sdk.errors import BatonError
 from trainer_sdk.layout import DTYPE_SIZES
 from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [
+    "CONFIG_FILE",
     "DEFAULT_PREFIX",
     "ExportInfo",
     "HfExportError",
@@ -48,10 +56,13 @@ __all__ = [
     "run_export_hf",
 ]
 
+log = logging.getLogger("trainer_sdk.hf")
+
 DEFAULT_PREFIX: Final = "model."
 """The Checkpointer keeps the model's ``state_dict`` under the top-level key ``model``."""
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
+CONFIG_FILE: Final = "config.json"
 _SHARD_RE: Final = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Transformers refuses safetensors files whose metadata lacks a known "format".
 _METADATA: Final = {"format": "pt"}
@@ -87,6 +98,8 @@ class ExportInfo:
     """How many tensors were exported."""
     total_size: int
     """Bytes of tensor data (``metadata.total_size`` of the index)."""
+    config: str | None
+    """The ``config.json`` written, or None for a ``weights_only`` export."""
     seconds: float
     """Wall time of the export."""
 
@@ -173,7 +186,7 @@ def _existing_export_files(out: Path) -> list[Path]:
     return sorted(
         p
         for p in out.iterdir()
-        if p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)
+        if p.name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_RE.fullmatch(p.name)
     )
 
 
@@ -192,12 +205,56 @@ def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _config_json(config: Any) -> str:
+    """The text of ``config.json`` for ``config`` (see :func:`export_hf`)."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / CONFIG_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise HfExportError(
+                f"cannot read the config {path}: {e}; pass the model's config object "
+                "(model.config) or the path of its config.json"
+            ) from e
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HfExportError(f"{path} is not JSON ({e}): pass the model's config.json") from e
+    elif hasattr(config, "to_json_string"):
+        # transformers' PretrainedConfig: the same text its save_pretrained writes
+        doc = json.loads(config.to_json_string())
+    elif hasattr(config, "to_dict"):
+        doc = config.to_dict()
+    elif isinstance(config, Mapping):
+        doc = dict(config)
+    else:
+        raise HfExportError(
+            f"config of type {type(config).__name__} is not a model config: pass model.config "
+            "(anything with to_dict()), a dict, or the path of a config.json"
+        )
+    if not isinstance(doc, dict):
+        raise HfExportError(f"the config must be a JSON object, got {type(doc).__name__}")
+    if "model_type" not in doc:
+        log.warning(
+            "the config has no 'model_type': AutoConfig/AutoModel cannot load the export; "
+            "pass the model's own config (model.config) to make it loadable by class name"
+        )
+    try:
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as e:
+        raise HfExportError(f"the config cannot be written as JSON: {e}") from e
+
+
 def export_hf(
     uri: Location,
     out_dir: str | os.PathLike[str],
     step: int | None = None,
     max_shard_size: int | str = "5GB",
     *,
+    config: Any = None,
+    weights_only: bool = False,
     prefix: str = DEFAULT_PREFIX,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
@@ -212,6 +269,11 @@ def export_hf(
         step: the step to export; None for the newest complete step.
         max_shard_size: bytes per weight file, an int or ``"5GB"``/``"2GiB"`` (GB = 10**9
             bytes, as in ``huggingface_hub``).
+        config: the model's config, written as ``config.json``: a transformers config
+            (``model.config``), any object with ``to_dict()``, a dict, or the path of a
+            ``config.json`` (or of a folder holding one). Required unless ``weights_only``.
+        weights_only: export the weights without a ``config.json`` (for tools that bring
+            their own); ``from_pretrained`` cannot load such a folder by itself.
         prefix: the key prefix of the model's tensors in the checkpoint, stripped on export.
         overwrite: replace an existing export in ``out_dir``.
         progress: called with (bytes written, total bytes) after every tensor.
@@ -220,6 +282,16 @@ def export_hf(
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size)
+    if config is None and not weights_only:
+        raise HfExportError(
+            "no config given: without config.json, from_pretrained(out_dir) silently builds a "
+            "default-shaped model of its class (a 7B one for Llama) instead of yours; pass "
+            "config=model.config (or the path of its config.json; CLI: --config), or "
+            "weights_only=True (CLI: --weights-only) to export the weights alone"
+        )
+    if config is not None and weights_only:
+        raise HfExportError("config and weights_only=True contradict each other: pass one")
+    config_text = _config_json(config) if config is not None else None
     storage = open_storage(uri)  # once: an S3 root gets one client for the whole export
     if step is None:
         step = api.latest_step(storage)
@@ -267,10 +339,13 @@ def export_hf(
                 out / INDEX_FILE,
                 lambda p: p.write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n"),
             )
+        if config_text is not None:
+            text = config_text
+            _write_durably(out / CONFIG_FILE, lambda p: p.write_text(text, encoding="utf-8"))
     except BaseException:
         # No half export: a reader that finds some shards but not the rest would load a model
         # with missing weights, or fail far from the cause.
-        for name in filenames:
+        for name in (*filenames, INDEX_FILE, CONFIG_FILE):
             (out / name).unlink(missing_ok=True)
         raise
     return ExportInfo(
@@ -279,6 +354,7 @@ def export_hf(
         files=tuple(filenames),
         tensors=len(selected),
         total_size=total,
+        config=str(out / CONFIG_FILE) if config_text is not None else None,
         seconds=time.perf_counter() - started,
     )
 
@@ -330,19 +406,11 @@ def run_export_hf(args: argparse.Namespace) -> int:
     size: int | str = args.max_shard_size
     if isinstance(size, str) and size.strip().isdigit():
         size = int(size)
-    last = [0.0]
+    progress = Progress(sys.stderr)
 
     def report(done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= 1.0 or done == total:
-            last[0] = now
-            pct = 100.0 * done / total if total else 100.0
-            print(
-                f"\rexport-hf: {done / 2**20:.1f} / {total / 2**20:.1f} MiB ({pct:.0f}%)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+        pct = 100.0 * done / total if total else 100.0
+        progress.update(f"export-hf: {done / 2**20:.1f} / {total / 2**20:.1f} MiB ({pct:.0f}%)")
 
     try:
         info = export_hf(
@@ -350,16 +418,21 @@ def run_export_hf(args: argparse.Namespace) -> int:
             args.out,
             step=args.step,
             max_shard_size=size,
+            config=args.config,
+            weights_only=args.weights_only,
             prefix=args.prefix,
             overwrite=args.overwrite,
             progress=report,
         )
     except BatonError as e:
-        print(f"\nexport-hf: error: {e}", file=sys.stderr)
+        progress.done()
+        print(f"export-hf: error: {e}", file=sys.stderr)
         return 1
-    print(file=sys.stderr)
+    progress.done()
     print(
         f"exported step {info.step}: {info.tensors} tensors, {info.total_size} bytes, "
-        f"{len(info.files)} file(s) in {info.out_dir} ({info.seconds:.1f}s)"
+        f"{len(info.files)} file(s)"
+        + (" and config.json" if info.config else " (weights only, no config.json)")
+        + f" in {info.out_dir} ({info.seconds:.1f}s)"
     )
     return 0

@@ -86,7 +86,9 @@ def test_a_small_shard_size_gives_several_shards_matching_the_state_dict(tmp_pat
     model = _trained_model()
     state = {"model": model.state_dict(), "extra": {"not_weights": torch.arange(5)}}
     trainer_sdk.save(state, str(tmp_path / "ckpt"), step=3)
-    info = hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", max_shard_size=200)
+    info = hf.export_hf(
+        str(tmp_path / "ckpt"), tmp_path / "out", max_shard_size=200, weights_only=True
+    )
     got, shards = _read_export(tmp_path / "out")
     _assert_equal_state(got, model.state_dict())
     assert info.files == tuple(shards)
@@ -105,20 +107,20 @@ def test_a_model_that_fits_gives_one_file_without_index(tmp_path: Path) -> None:
     model = _trained_model()
     trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=1)
     trainer_sdk.save({"model": TinyLM().state_dict()}, str(tmp_path / "ckpt"), step=2)
-    info = hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", step=1)
+    info = hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", step=1, weights_only=True)
     got, files = _read_export(tmp_path / "out")
     assert files == ["model.safetensors"] == list(info.files)
     _assert_equal_state(got, model.state_dict())
     # step=None takes the newest complete step
-    assert hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "newest").step == 2
+    assert hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "newest", weights_only=True).step == 2
 
 
 def test_prefix_chooses_the_tensors_and_is_stripped(tmp_path: Path) -> None:
     model = _trained_model()
     trainer_sdk.save({"student": model.state_dict()}, str(tmp_path / "ckpt"), step=1)
     with pytest.raises(hf.HfExportError, match=r"prefix 'model\.'.*student\."):
-        hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out")
-    hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", prefix="student.")
+        hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", weights_only=True)
+    hf.export_hf(str(tmp_path / "ckpt"), tmp_path / "out", prefix="student.", weights_only=True)
     _assert_equal_state(_read_export(tmp_path / "out")[0], model.state_dict())
 
 
@@ -126,18 +128,18 @@ def test_an_existing_export_is_not_overwritten_by_accident(tmp_path: Path) -> No
     model = _trained_model()
     trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=1)
     out = tmp_path / "out"
-    hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=200)
+    hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=200, weights_only=True)
     (out / "README.md").write_text("mine")
     with pytest.raises(hf.HfExportError, match="overwrite"):
-        hf.export_hf(str(tmp_path / "ckpt"), out)
-    hf.export_hf(str(tmp_path / "ckpt"), out, overwrite=True)
+        hf.export_hf(str(tmp_path / "ckpt"), out, weights_only=True)
+    hf.export_hf(str(tmp_path / "ckpt"), out, overwrite=True, weights_only=True)
     # the old shards are gone, the user's file is kept
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]
 
 
 def test_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(hf.HfExportError, match="no complete checkpoint"):
-        hf.export_hf(str(tmp_path / "empty"), tmp_path / "out")
+        hf.export_hf(str(tmp_path / "empty"), tmp_path / "out", weights_only=True)
     for bad in ("5 parsecs", "-1", 0, "GB"):
         with pytest.raises(hf.HfExportError, match="max_shard_size"):
             hf.parse_size(bad)  # type: ignore[arg-type]
@@ -147,7 +149,7 @@ def test_errors_name_the_fix(tmp_path: Path) -> None:
     assert hf.parse_size(123) == 123
     trainer_sdk.save({"model": {"w": torch.ones(2)}}, str(tmp_path / "c"), step=1)
     with pytest.raises(trainer_sdk.CheckpointError):
-        hf.export_hf(str(tmp_path / "c"), tmp_path / "out", step=99)
+        hf.export_hf(str(tmp_path / "c"), tmp_path / "out", step=99, weights_only=True)
 
 
 def test_the_cli_entry_exports_and_reports(
@@ -156,17 +158,32 @@ def test_the_cli_entry_exports_and_reports(
     model = _trained_model()
     trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=4)
     out = tmp_path / "out"
-    argv = ["export-hf", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "300"]
+    argv = [
+        "export-hf",
+        "--weights-only",
+        str(tmp_path / "ckpt"),
+        str(out),
+        "--max-shard-size",
+        "300",
+    ]
     assert cli.main([*argv, "--step", "4"]) == 0
     captured = capsys.readouterr()
     assert re.search(r"exported step 4: \d+ tensors", captured.out)
     assert "MiB" in captured.err
     _assert_equal_state(_read_export(out)[0], model.state_dict())
-    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out)]) == 1  # already exported
+    assert (
+        cli.main(["export-hf", "--weights-only", str(tmp_path / "ckpt"), str(out)]) == 1
+    )  # already exported
     assert "overwrite" in capsys.readouterr().err
-    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out), "--overwrite"]) == 0
+    assert (
+        cli.main(["export-hf", "--weights-only", str(tmp_path / "ckpt"), str(out), "--overwrite"])
+        == 0
+    )
     capsys.readouterr()
-    assert cli.main(["export-hf", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 1
+    assert (
+        cli.main(["export-hf", "--weights-only", str(tmp_path / "nothing"), str(tmp_path / "o2")])
+        == 1
+    )
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
@@ -215,7 +232,7 @@ def test_export_from_a_two_rank_fsdp2_checkpoint(tmp_path: Path) -> None:
     assert manifest.world_size == 2
     assert manifest.tensors["model.up.weight"].kind == "sharded"
     assert len(manifest.tensors["model.up.weight"].pieces) == 2  # 7 rows: 4 + 3
-    hf.export_hf(uri, tmp_path / "out", max_shard_size=150)
+    hf.export_hf(uri, tmp_path / "out", max_shard_size=150, weights_only=True)
     got, shards = _read_export(tmp_path / "out")
     assert len(shards) > 1
     _assert_equal_state(got, load_file(reference))
@@ -227,7 +244,19 @@ def test_python_m_trainer_sdk_export_hf(tmp_path: Path) -> None:
     model = _trained_model()
     trainer_sdk.save({"model": model.state_dict()}, str(tmp_path / "ckpt"), step=2)
     out = tmp_path / "out"
-    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "250"]) == 0
+    assert (
+        cli.main(
+            [
+                "export-hf",
+                "--weights-only",
+                str(tmp_path / "ckpt"),
+                str(out),
+                "--max-shard-size",
+                "250",
+            ]
+        )
+        == 0
+    )
     got, shards = _read_export(out)
     assert len(shards) > 1
     _assert_equal_state(got, model.state_dict())
@@ -244,7 +273,7 @@ def test_a_damaged_checkpoint_is_named_and_leaves_no_half_export(tmp_path: Path)
     shard.write_bytes(bytes(data))
     out = tmp_path / "out"
     with pytest.raises(trainer_sdk.errors.CorruptCheckpointError, match=last.file):
-        hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=100)
+        hf.export_hf(str(tmp_path / "ckpt"), out, max_shard_size=100, weights_only=True)
     assert sorted(p.name for p in out.iterdir()) == []
 
 
@@ -265,7 +294,7 @@ def test_an_export_never_reads_the_optimizer_bytes(tmp_path: Path) -> None:
         data = bytearray(shard.read_bytes())
         data[piece.begin] ^= 0xFF
         shard.write_bytes(bytes(data))
-    info = hf.export_hf(tmp_path / "ckpt", tmp_path / "out")
+    info = hf.export_hf(tmp_path / "ckpt", tmp_path / "out", weights_only=True)
     got, _ = _read_export(tmp_path / "out")
     assert info.tensors == len(got)
     _assert_equal_state(got, model.state_dict())
@@ -276,7 +305,7 @@ def test_export_from_s3(s3_bucket: Any, tmp_path: Path) -> None:
     model = _trained_model()
     uri = s3_bucket.uri("runs/lm")
     trainer_sdk.save({"model": model.state_dict(), "optimizer": {"m": torch.ones(4)}}, uri, step=6)
-    info = hf.export_hf(uri, tmp_path / "out", max_shard_size=300)
+    info = hf.export_hf(uri, tmp_path / "out", max_shard_size=300, weights_only=True)
     got, shards = _read_export(tmp_path / "out")
     assert info.step == 6
     assert len(shards) > 1

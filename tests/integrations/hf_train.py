@@ -1,0 +1,146 @@
+"""A stock Hugging Face Trainer fine-tune of a tiny Llama, with the two lines BatonTrainer needs.
+
+Run under torchrun (or alone). Built from configs only (no download): a LlamaForCausalLM with
+attention dropout on, AdamW, a cosine schedule with warmup, gradient accumulation with a
+short last group per epoch, and a shuffled map-style dataset.
+
+Test hooks (environment):
+  HF_TEST_OUT        folder for the per-step loss logs and the final state
+  HF_TEST_HANG_AT    after this optimizer step, write hang-<rank> (its pid) and wait to be
+                     SIGKILLed (torchrun starts every worker in a session of its own)
+  HF_TEST_SIGTERM_AT after this optimizer step, rank 1 sends itself SIGTERM
+
+Exit status: 0 when training finished, 75 when it stopped after serving a notice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
+
+from trainer_sdk.integrations.transformers import BatonTrainer
+
+SAMPLES = 44  # 11 batches of 2 per rank on 2 ranks: 6 optimizer steps per epoch, the last short
+SEQ = 16
+VOCAB = 64
+
+
+class TokenDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Hooks(TrainerCallback):
+    def __init__(self, out: Path, rank: int) -> None:
+        self.out, self.rank = out, rank
+        self.hang_at = int(os.environ.get("HF_TEST_HANG_AT", "0"))
+        self.sigterm_at = int(os.environ.get("HF_TEST_SIGTERM_AT", "0"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.sigterm_at and self.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if state.global_step == self.hang_at:
+            (self.out / f"hang-{self.rank}").write_text(str(os.getpid()))
+            while True:  # the test SIGKILLs the whole process group here
+                time.sleep(1)
+
+
+class LoggedTrainer(BatonTrainer):
+    """Records every micro-batch loss exactly (float.hex), with its optimizer step."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        with (self.test_out / f"losses-{self.args.process_index}.jsonl").open("a") as f:
+            f.write(json.dumps({"step": self.state.global_step + 1, "loss": loss.item().hex()}))
+            f.write("\n")
+        return loss
+
+
+def main() -> int:
+    out = Path(os.environ["HF_TEST_OUT"])
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"pid-{rank}").write_text(str(os.getpid()))  # for the test's cleanup
+    torch.use_deterministic_algorithms(True)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.1,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    args = TrainingArguments(
+        output_dir=str(out / "hf-output"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=3,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        weight_decay=0.01,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        save_total_limit=2,
+        seed=1234,
+        use_cpu=True,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = LoggedTrainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        data_collator=default_data_collator,
+        callbacks=[Hooks(out, rank)],
+        baton_uri=str(out / "ckpt"),
+    )
+    trainer.test_out = out
+    trainer.train()
+    if trainer.preempted:
+        return 75
+    if rank == 0:
+        final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+        opt = trainer.optimizer.optimizer.state_dict()
+        for pid, st in opt["state"].items():
+            for name, value in st.items():
+                final[f"optim.{pid}.{name}"] = torch.as_tensor(value).clone()
+        final["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+        save_file(final, str(out / "final.safetensors"))
+        log_history = [e for e in trainer.state.log_history if "loss" in e]
+        (out / "log_history.json").write_text(json.dumps(log_history))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
