@@ -203,6 +203,7 @@ async def _operate(config: OperatorConfig) -> None:
         acquiring.cancel()
         await runner.cleanup()
         return
+    stopping.cancel()
     registry.leader.set(1)
     keeper = asyncio.create_task(elector.keep())
     operator = asyncio.create_task(
@@ -217,6 +218,7 @@ async def _operate(config: OperatorConfig) -> None:
         os._exit(3)
     keeper.cancel()
     await elector.release()
+    operator.result()  # kopf's own failure, if any, is the operator's exit status
 
 
 def kopf_operator_args(config: OperatorConfig) -> dict[str, Any]:

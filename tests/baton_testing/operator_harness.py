@@ -16,6 +16,8 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +142,21 @@ class OperatorProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc = None
+
+    def metrics(self) -> str:
+        """The text of its ``/metrics`` (raises when it does not answer)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def healthz(self) -> int:
+        """The HTTP status of its ``/healthz``."""
+        url = f"http://127.0.0.1:{self.metrics_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
 
     def tail(self, lines: int = 60) -> str:
         try:
@@ -392,6 +409,11 @@ class Baton:
             }
             values.add(env.get("BATON_RESUME_STEP"))
         return values
+
+    def lease_holder(self) -> str:
+        """Who holds the operators' Lease now ("" when nobody does)."""
+        lease = self.kubectl_json("get", "lease", "baton-operator", "-n", OPERATOR_NS)
+        return str((lease.get("spec") or {}).get("holderIdentity") or "")
 
     def delete(self, job: str) -> None:
         self.cluster.kubectl(

@@ -1,0 +1,120 @@
+"""Leader election on a real Lease (the local cluster's API server), in one process.
+
+Two :class:`LeaderElector` s race for one Lease: exactly one holds it; a holder that stops
+renewing (as after ``kill -9``) is replaced once its Lease has not changed for the lease
+duration by the standby's own clock; the same identity takes its Lease back at once; a
+released Lease is taken without waiting; and an active elector whose Lease was taken raises
+instead of carrying on. Times are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import pytest
+from baton_operator.leader import LeaderElector, LeadershipLostError, LeaseClient, LeaseTimings
+from baton_testing.cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+TIMINGS = LeaseTimings(duration=3, renew=0.5, retry=0.25, renew_deadline=2.0)
+
+
+@pytest.fixture
+def lease(local_cluster: LocalCluster) -> tuple[LocalCluster, str, str]:
+    namespace = "baton-leader-test"
+    local_cluster.kubectl("create", "namespace", namespace, check=False)
+    return local_cluster, namespace, f"lease-{uuid.uuid4().hex[:6]}"
+
+
+def _elector(lease: tuple[LocalCluster, str, str], identity: str) -> LeaderElector:
+    cluster, namespace, name = lease
+    client = LeaseClient(cluster.api, namespace=namespace, name=name, timeout=10.0)
+    return LeaderElector(client, identity=identity, timings=TIMINGS)
+
+
+def _holder(lease: tuple[LocalCluster, str, str]) -> dict[str, Any]:
+    cluster, namespace, name = lease
+    client = LeaseClient(cluster.api, namespace=namespace, name=name, timeout=10.0)
+    found = asyncio.run(client.get())
+    assert found is not None
+    spec: dict[str, Any] = found["spec"]
+    return spec
+
+
+def test_one_holder_and_a_standby_that_takes_over_a_silent_lease(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    a, b = _elector(lease, "a"), _elector(lease, "b")
+
+    async def run() -> float:
+        assert await a.try_acquire_or_renew()
+        assert not await b.try_acquire_or_renew(), "two holders at once"
+        assert await a.try_acquire_or_renew(), "the holder renews"
+        assert not await b.try_acquire_or_renew()
+        # a goes silent (kill -9): b takes over only after a whole duration of silence.
+        silent = time.monotonic()
+        await asyncio.wait_for(b.acquire(), timeout=60)
+        return time.monotonic() - silent
+
+    took = asyncio.run(run())
+    print(f"standby took a silent Lease after {took:.1f}s (duration {TIMINGS.duration}s)")
+    assert took >= TIMINGS.duration - TIMINGS.retry, "taken while the holder was still live"
+    spec = _holder(lease)
+    assert spec["holderIdentity"] == "b"
+    assert spec["leaseTransitions"] == 1
+    assert spec["leaseDurationSeconds"] == TIMINGS.duration
+
+
+def test_a_restarted_holder_takes_its_own_lease_back_at_once(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    first = _elector(lease, "op-0")
+
+    async def run() -> None:
+        assert await first.try_acquire_or_renew()
+        # The same identity in a new process (a container restarted after kill -9): a new
+        # elector that has never seen the Lease acquires it on its first try.
+        again = _elector(lease, "op-0")
+        assert await again.try_acquire_or_renew()
+        assert not await _elector(lease, "op-1").try_acquire_or_renew()
+
+    asyncio.run(run())
+    assert _holder(lease)["leaseTransitions"] == 0
+
+
+def test_a_released_lease_is_taken_without_waiting(lease: tuple[LocalCluster, str, str]) -> None:
+    a, b = _elector(lease, "a"), _elector(lease, "b")
+
+    async def run() -> None:
+        assert await a.try_acquire_or_renew()
+        await a.release()
+        assert not a.leading
+        assert await b.try_acquire_or_renew(), "a released Lease must be free at once"
+
+    asyncio.run(run())
+    assert _holder(lease)["holderIdentity"] == "b"
+
+
+def test_an_active_elector_whose_lease_was_taken_stops(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    a = _elector(lease, "a")
+
+    async def run() -> None:
+        assert await a.try_acquire_or_renew()
+        keeping = asyncio.create_task(a.keep())
+        # Someone else writes the Lease (an operator that judged a silent; here by force).
+        cluster, namespace, name = lease
+        cluster.kubectl(
+            "patch", "lease", name, "-n", namespace, "--type=merge",
+            "-p", '{"spec": {"holderIdentity": "intruder"}}',
+        )  # fmt: skip
+        with pytest.raises(LeadershipLostError, match="two operators never act at once"):
+            await asyncio.wait_for(keeping, timeout=60)
+        assert not a.leading
+
+    asyncio.run(run())
