@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from trainer_sdk import api, rng
+from trainer_sdk import _ddp, api, rng
 from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
@@ -553,6 +553,10 @@ class Checkpointer:
                 )
             else:
                 set_model_state_dict(self.model, state["model"])
+        if self.model is not None and meta.get("ddp_buckets"):
+            # The first step after the resume must sum gradients in the same bucket positions
+            # as the uninterrupted run did at that step (see trainer_sdk/_ddp.py).
+            _ddp.apply_bucket_layout(self.model, meta["ddp_buckets"])
         # RNG last: nothing after this may draw random numbers before training resumes.
         if any(p == "rng" or p.startswith("rng.") for p in info.missing_rank_local):
             # A rank that did not exist at save time: a deterministic state of its own,
@@ -566,6 +570,10 @@ class Checkpointer:
 
     def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
         state = self._state(step)
+        # Only saves carry it (not the load template): checkpoints without it stay loadable.
+        layout = _ddp.bucket_layout(self.model)
+        if layout is not None:
+            state["baton"]["ddp_buckets"] = layout
         flat = api.flatten(state, process_group=self._group)
         return flat, api.plan_save(flat, self.rank, self.world_size)
 

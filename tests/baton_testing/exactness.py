@@ -1,5 +1,6 @@
 """Shared by the exactness and emergency-save tests: one uninterrupted reference run of
-``baton_testing.trainer`` per pytest session, and the bitwise comparison against it."""
+``baton_testing.trainer`` per pytest session and shape (world size, trainer options such as
+``--fsdp``), and the bitwise comparison against it."""
 
 from __future__ import annotations
 
@@ -37,23 +38,26 @@ def _log(tmp: Path, rank: int) -> Path:
     return tmp / ("loss.log" if rank == 0 else f"loss.log.rank{rank}")
 
 
-def reference(tmp: Path) -> dict[str, Any]:
-    """The uninterrupted run (computed once per session, in ``tmp`` the first time)."""
-    if "ref" not in _cache:
-        trainer.run(WORLD, args(tmp), workdir=tmp / "out", timeout=RUN_TIMEOUT)
+def reference(tmp: Path, *, world: int = WORLD, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The uninterrupted run on ``world`` ranks with trainer options ``extra`` (computed once
+    per session and shape, in ``tmp`` the first time)."""
+    key = f"ref/{world}/{' '.join(extra)}"
+    if key not in _cache:
+        trainer.run(world, args(tmp, *extra), workdir=tmp / "out", timeout=RUN_TIMEOUT)
         result = json.loads((tmp / "result.json").read_text())
-        losses = {r: dict(trainer.read_loss_log(_log(tmp, r))) for r in range(WORLD)}
+        losses = {r: dict(trainer.read_loss_log(_log(tmp, r))) for r in range(world)}
         assert result["step"] == STEPS
+        assert result["world_size"] == world
         assert not result["stopped"]
         assert all(sorted(v) == list(range(1, STEPS + 1)) for v in losses.values())
-        _cache["ref"] = {"result": result, "losses": losses}
-    return _cache["ref"]
+        _cache[key] = {"result": result, "losses": losses, "world": world}
+    return _cache[key]
 
 
 def check_exact(tmp: Path, ref: dict[str, Any]) -> None:
     """Every logged step of every segment of the run under ``tmp`` equals the reference
     bitwise, every step was trained, and the final state digests are equal."""
-    for r in range(WORLD):
+    for r in range(int(ref.get("world", WORLD))):
         lines = trainer.read_loss_log(_log(tmp, r))
         assert {s for s, _ in lines} == set(range(1, STEPS + 1)), f"rank {r} missed steps"
         for step, loss in lines:

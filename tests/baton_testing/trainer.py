@@ -48,7 +48,8 @@ _REPO_DIR = str(Path(_TESTS_DIR).parent)
 
 
 EXIT_STOPPED: Final = 75
-"""Exit code after an emergency save (``EX_TEMPFAIL``), as docs/contracts.md asks."""
+"""Exit code after an emergency save (``EX_TEMPFAIL``), as docs/contracts.md asks; the same
+value as ``trainer_sdk.EXIT_STOPPED_AFTER_NOTICE`` (this module imports nothing at the top)."""
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -64,7 +65,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--control-dir",
         default=None,
-        help="control directory; '{rank}' is replaced by the rank (one 'pod' per rank)",
+        help="control directory; '{rank}' is replaced by the rank (one 'pod' per rank), "
+        "'{pod}' by RANK // LOCAL_WORLD_SIZE (one directory per pod of several processes)",
     )
     p.add_argument("--notice-every", type=int, default=1)
     p.add_argument("--deadline-margin", type=float, default=5.0)
@@ -74,6 +76,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=96, help="dataset size")
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slows the run)")
     p.add_argument("--request-at", type=int, default=None, help="request_checkpoint at this step")
     p.add_argument("--request-rank", type=int, default=0, help="the rank that requests it")
@@ -112,6 +115,19 @@ def _walk(prefix: str, obj: Any) -> Iterator[tuple[str, Any]]:
             yield from _walk(f"{prefix}/{i}", v)
     else:
         yield prefix, obj
+
+
+def _full(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by its full tensor (a collective for FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, Mapping):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_full(v) for v in obj]
+    return obj
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,7 +176,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     model: nn.Module = nn.Sequential(
         nn.Linear(8, args.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.hidden, 1)
     )
-    if world_size > 1:
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
@@ -177,7 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         every_seconds=args.every_seconds,
         keep_last=args.keep_last,
         async_save=args.async_save,
-        control_dir=args.control_dir.replace("{rank}", str(rank)) if args.control_dir else None,
+        control_dir=args.control_dir.replace("{rank}", str(rank)).replace(
+            "{pod}", str(rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
+        if args.control_dir
+        else None,
         notice_every=args.notice_every,
         deadline_margin=args.deadline_margin,
         timeout=args.timeout,
@@ -224,15 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
     ckpt.close()
 
+    plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    # FSDP2 holds shards (DTensors): every rank takes part in gathering the full tensors.
+    model_state = _full(dict(plain.state_dict()))
+    optimizer_state = _full(optimizer.state_dict())
     if rank == 0:
-        plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        params = _sha256_tensors(_walk("p", dict(plain.state_dict())))
+        params = _sha256_tensors(_walk("p", model_state))
         result = {
             "step": step,
             "stopped": stopped,
             "world_size": world_size,
             "params_sha256": params,
-            "optimizer_sha256": _sha256_tensors(_walk("o", optimizer.state_dict())),
+            "optimizer_sha256": _sha256_tensors(_walk("o", optimizer_state)),
             "scheduler_sha256": _sha256_tensors(_walk("s", scheduler.state_dict())),
             "scaler_sha256": _sha256_tensors(_walk("g", scaler.state_dict())),
             "sampler": sampler.state_dict(),
@@ -295,12 +327,17 @@ def launch(
     *,
     workdir: str | os.PathLike[str],
     env: Mapping[str, str] | None = None,
+    procs_per_pod: int = 1,
 ) -> TrainerRun:
     """Start the trainer on ``world_size`` local ranks (real processes, gloo); returns at once.
 
-    Every rank gets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1``: each is its own "pod", so that
-    a notice can reach one rank only (pass ``--control-dir .../{rank}``).
+    By default every rank gets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1``: each is its own
+    "pod", so that a notice can reach one rank only (pass ``--control-dir .../{rank}``). With
+    ``procs_per_pod=N`` ranks ``[kN, (k+1)N)`` form pod ``k`` (``LOCAL_RANK`` 0..N-1,
+    ``LOCAL_WORLD_SIZE=N``), as torchrun would start them; pass ``--control-dir .../{pod}``.
     """
+    if procs_per_pod < 1 or world_size % procs_per_pod:
+        raise ValueError(f"procs_per_pod={procs_per_pod} must divide world_size={world_size}")
     from baton_testing.dist import free_port
 
     work = Path(workdir)
@@ -314,8 +351,8 @@ def launch(
             {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
+                "LOCAL_RANK": str(rank % procs_per_pod),
+                "LOCAL_WORLD_SIZE": str(procs_per_pod),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
