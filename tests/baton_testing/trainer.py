@@ -69,6 +69,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "'{pod}' by RANK // LOCAL_WORLD_SIZE (one directory per pod of several processes)",
     )
     p.add_argument("--notice-every", type=int, default=1)
+    p.add_argument(
+        "--notice-overlap-below",
+        type=float,
+        default=None,
+        help="Checkpointer(notice_overlap_below=...): 0 never overlaps, inf always",
+    )
     p.add_argument("--deadline-margin", type=float, default=5.0)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--declare-accum", action="store_true", help="pass accum to the Checkpointer")
@@ -208,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.control_dir
         else None,
         notice_every=args.notice_every,
+        **(
+            {"notice_overlap_below": args.notice_overlap_below}
+            if args.notice_overlap_below is not None
+            else {}
+        ),
         deadline_margin=args.deadline_margin,
         timeout=args.timeout,
         accumulation_steps=args.accum if args.declare_accum else None,

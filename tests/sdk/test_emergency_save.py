@@ -102,16 +102,64 @@ def test_control_request_in_one_pod_saves_and_reports(
     _resume_and_check(tmp_path, reference, step)
 
 
+# ``--notice-overlap-below 0``: the blocking agreement, which serves a notice at the very
+# boundary where it is heard. The overlapped one (the default for short steps) serves it one
+# boundary later: see the tests after this one.
+_BLOCKING = ("--notice-overlap-below", "0")
+_OVERLAPPED = ("--notice-overlap-below", "inf")
+
+
 def test_request_checkpoint_on_one_rank(tmp_path: Path, reference: dict[str, Any]) -> None:
     run = trainer.launch(
         WORLD,
-        _args(tmp_path, "--request-at", "10", "--request-rank", "1", "--request-deadline", "60"),
+        _args(
+            tmp_path, "--request-at", "10", "--request-rank", "1", "--request-deadline", "60",
+            *_BLOCKING,
+        ),
         workdir=tmp_path / "out",
-    )
+    )  # fmt: skip
     step = _stopped_step(tmp_path, run)
     assert step == 10  # served at the very boundary where it was asked for
     assert _manifest(tmp_path, 10)["trigger"] == "notice"
     _resume_and_check(tmp_path, reference, 10)
+
+
+def test_overlapped_agreement_serves_one_boundary_later_on_every_rank(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # the request is made on rank 1 before step(10); the agreement that carries it runs
+    # during step 11's compute, so every rank saves step 11 and stops there
+    run = trainer.launch(
+        WORLD,
+        _args(
+            tmp_path, "--request-at", "10", "--request-rank", "1", "--request-deadline", "60",
+            *_OVERLAPPED,
+        ),
+        workdir=tmp_path / "out",
+    )  # fmt: skip
+    step = _stopped_step(tmp_path, run)
+    assert step == 11
+    assert api.list_steps(str(tmp_path / "ck"))[-1] == 11
+    assert _manifest(tmp_path, 11)["trigger"] == "notice"
+    _resume_and_check(tmp_path, reference, 11)
+
+
+def test_overlapped_agreement_with_batched_checks_and_async_saves(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # checks at multiples of 3, an async save at every step: a request at step 7 is shared
+    # at the boundary of step 9 and served at the next one, 12, after the save in flight
+    args = _args(
+        tmp_path, "--async-save", "--notice-every", "3", "--request-at", "7",
+        "--request-rank", "0", *_OVERLAPPED,
+    )  # fmt: skip
+    args[args.index("--every-steps") + 1] = "1"
+    run = trainer.launch(WORLD, args, workdir=tmp_path / "out")
+    step = _stopped_step(tmp_path, run)
+    assert step == 12
+    assert api.list_steps(str(tmp_path / "ck"))[-1] == 12
+    assert _manifest(tmp_path, 12)["trigger"] == "notice"
+    _resume_and_check(tmp_path, reference, 12)
 
 
 def test_a_deadline_too_short_is_skipped_and_the_previous_step_resumes(
@@ -123,6 +171,7 @@ def test_a_deadline_too_short_is_skipped_and_the_previous_step_resumes(
             tmp_path,
             "--request-at", "10", "--request-rank", "0", "--request-deadline", "1",
             "--deadline-margin", "5", "--control-dir", str(tmp_path / "ctl{rank}"),
+            *_BLOCKING,
         ),
         workdir=tmp_path / "out",
     )  # fmt: skip
@@ -144,7 +193,7 @@ def test_a_deadline_too_short_is_skipped_and_the_previous_step_resumes(
 
 def test_notice_with_an_async_save_in_flight(tmp_path: Path, reference: dict[str, Any]) -> None:
     # every step starts an async save, so the notice always finds one in flight
-    args = _args(tmp_path, "--async-save", "--request-at", "9", "--request-rank", "1")
+    args = _args(tmp_path, "--async-save", "--request-at", "9", "--request-rank", "1", *_BLOCKING)
     args[args.index("--every-steps") + 1] = "1"
     run = trainer.launch(WORLD, args, workdir=tmp_path / "out")
     step = _stopped_step(tmp_path, run)
@@ -182,7 +231,16 @@ def test_batched_notice_check_saves_at_the_next_multiple_of_k(
     # the check runs when step % 4 == 0 on every rank: a request at step 9 is served at 12
     run = trainer.launch(
         WORLD,
-        _args(tmp_path, "--notice-every", "4", "--request-at", "9", "--request-rank", "1"),
+        _args(
+            tmp_path,
+            "--notice-every",
+            "4",
+            "--request-at",
+            "9",
+            "--request-rank",
+            "1",
+            *_BLOCKING,
+        ),
         workdir=tmp_path / "out",
     )
     step = _stopped_step(tmp_path, run)

@@ -148,6 +148,92 @@ def test_two_ranks_agree_on_one_view() -> None:
     assert abs(float(a["rank0_time"]) - time.time()) < 120
 
 
+def _overlap_body(root: str, below: float, request_at: int, sleep: float) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from trainer_sdk import Checkpointer, api
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    ck = Checkpointer(
+        root, model=model, handle_sigterm=False, notice_overlap_below=below, timeout=60
+    )
+    stopped_at = None
+    for step in range(1, 20):
+        if step == request_at and rank == 2:  # one rank hears it, before this boundary
+            ck.request_checkpoint(reason="test")
+        if sleep:
+            time.sleep(sleep)  # a slow training step: the stimulus, not a wait
+        if ck.step(step):
+            stopped_at = step
+            break
+    ck.close()
+    return {"stopped_at": stopped_at, "steps": api.list_steps(root)}
+
+
+@pytest.mark.parametrize(
+    ("below", "sleep", "served"),
+    [
+        (float("inf"), 0.0, 6),  # always overlapped: served one boundary later
+        (0.0, 0.0, 5),  # never: served at the boundary where it is heard
+        (0.3, 0.6, 5),  # boundaries 0.6 s apart are too slow to overlap below 0.3 s
+    ],
+)
+def test_every_rank_serves_the_notice_at_the_same_boundary(
+    tmp_path: Path, below: float, sleep: float, served: int
+) -> None:
+    results = run_ranks(_overlap_body, 3, args=(str(tmp_path / "ck"), below, 5, sleep), timeout=240)
+    assert [r["stopped_at"] for r in results] == [served] * 3
+    assert results[0]["steps"] == [served]
+
+
+def _close_with_pending_body() -> dict[str, object]:
+    import logging
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from trainer_sdk import Checkpointer
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("trainer_sdk.checkpointer").addHandler(_Keep())
+    rank = dist.get_rank()
+    root = os.environ["BATON_TEST_ROOT"]
+    ck = Checkpointer(root, model=nn.Linear(2, 2), handle_sigterm=False, notice_overlap_below=60)
+    assert ck.step(1) is False
+    if rank == 1:
+        ck.request_checkpoint(reason="late")
+    assert ck.step(2) is False  # rank 1's request is in flight now
+    ck.close()  # finishes the agreement in flight; nothing hangs, the notice is reported
+    return {"warned": any("was not served" in m for m in records)}
+
+
+def test_close_finishes_an_agreement_in_flight(tmp_path: Path) -> None:
+    results = run_ranks(
+        _close_with_pending_body, 2, env={"BATON_TEST_ROOT": str(tmp_path)}, timeout=120
+    )
+    assert [r["warned"] for r in results] == [True, True]
+
+
+def test_notice_overlap_below_must_be_seconds(tmp_path: Path) -> None:
+    from torch import nn
+
+    from trainer_sdk import Checkpointer
+    from trainer_sdk.errors import CheckpointError
+
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(CheckpointError, match="notice_overlap_below"):
+            Checkpointer(str(tmp_path), model=nn.Linear(2, 2), notice_overlap_below=bad)
+
+
 def _measured(est: SaveEstimator) -> bool:
     return est.measured
 
