@@ -410,6 +410,7 @@ class Checkpointer:
         entered = time.monotonic()
         agreement: Agreement | None = None
         local: LocalNotice | None = None
+        overlap = False
         if self._group is None or step % self.config.notice_every == 0:
             pending, self._pending = self._pending, None
             if pending is not None:  # started at the last boundary; ran during this step
@@ -429,12 +430,6 @@ class Checkpointer:
         ) or (agreement is not None and agreement.periodic_due)
         if periodic and step != self._last_saved_step:
             self._save(step, trigger="periodic", background=self.config.async_save)
-        return False
-
-    def save(self, step: int, *, trigger: str = "manual") -> None:
-        """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
-        self._check_open()
-        self._save(step, trigger=trigger, background=False)
         if overlap:
             # Last, after any save: what this rank knows now goes to every rank during the
             # next step, and every rank acts on it at the next boundary.
@@ -446,6 +441,12 @@ class Checkpointer:
                 boundary=entered,
                 buffer=self._agreement_buffer,
             )
+        return False
+
+    def save(self, step: int, *, trigger: str = "manual") -> None:
+        """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
+        self._check_open()
+        self._save(step, trigger=trigger, background=False)
 
     def request_checkpoint(
         self, *, deadline: datetime | float | str | None = None, reason: str = ""
@@ -479,13 +480,13 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            self._settle_agreement(on_close=True)
             if self._saver is not None:
                 try:
                     self._drain()
                 finally:
                     self._saver.close()
         finally:
-            self._settle_agreement(on_close=True)
             if self._sigterm is not None:
                 self._sigterm.uninstall()
 
@@ -622,15 +623,15 @@ class Checkpointer:
         prepared: tuple[api.FlatState, api.SavePlan] | None = None,
     ) -> api.SaveInfo | None:
         """Save ``step``; returns what the save did, or None when it runs in the background."""
+        # An overlapped agreement finishes before the save's collectives use the same group;
+        # its answer is kept and acted on at the next boundary, as planned.
+        self._settle_agreement()
         start = time.perf_counter()
         self._last_save_time = self._clock()
         self._last_saved_step = step
         self._register_attempt()
         extra = {"baton": {"resume": self._resume_note}} if self._resume_note else None
         if background:
-        # An overlapped agreement finishes before the save's collectives use the same group;
-        # its answer is kept and acted on at the next boundary, as planned.
-        self._settle_agreement()
             assert self._saver is not None
             # At most one save in flight: wait for (and raise the failure of) the previous.
             self._saver.wait_previous()
@@ -702,12 +703,6 @@ class Checkpointer:
         else:  # emergency saves report through _finish_notice, with their notice's details
             self._update_status(last_committed_step=info.step)
 
-    def _drain(self) -> None:
-        if self._saver is None:
-            return
-        self._saver.wait_previous()
-
-    def _raise_background_failure(self) -> None:
     # ---- the notice agreement ------------------------------------------------------------
 
     def _local_notice(self) -> LocalNotice:
@@ -756,6 +751,12 @@ class Checkpointer:
                 ", ".join(sorted(agreement.sources)),
             )
 
+    def _drain(self) -> None:
+        if self._saver is None:
+            return
+        self._saver.wait_previous()
+
+    def _raise_background_failure(self) -> None:
         try:
             self._drain()
         except BaseException as e:
