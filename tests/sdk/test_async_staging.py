@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.staging import AsyncSaver, HostBuffers
+from trainer_sdk.staging import BACKGROUND_NICE, AsyncSaver, HostBuffers
 
 
 def test_buffers_are_allocated_once_and_decoupled_from_the_source() -> None:
@@ -95,3 +97,28 @@ def test_a_background_failure_is_raised_by_the_next_wait_and_by_close() -> None:
     with pytest.raises(OSError, match="No space left"):
         saver2.submit(step=6, tensors={"w": torch.ones(3)}, json_tree={}, work=boom)
     saver2.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_background_writer_and_its_helper_threads_yield_the_cpu_to_training() -> None:
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    main = nice()
+    saver = AsyncSaver()
+    try:
+
+        def work(staged: dict[str, torch.Tensor], tree: Any) -> tuple[int, int]:
+            seen: list[int] = []
+            helper = threading.Thread(target=lambda: seen.append(nice()))  # as the hashers
+            helper.start()
+            helper.join()
+            return nice(), seen[0]
+
+        handle = saver.submit(step=1, tensors={"t": torch.ones(4)}, json_tree={}, work=work)
+        writer, helper = handle.wait(timeout=60)
+    finally:
+        saver.close()
+    expected = min(main + BACKGROUND_NICE, 19)
+    assert (writer, helper) == (expected, expected)
+    assert nice() == main  # the training thread keeps its priority
