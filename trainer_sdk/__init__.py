@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "CollectiveTimeoutError": "errors",
     "RankFailedError": "errors",
     "StorageError": "errors",
+    "EXIT_STOPPED_AFTER_NOTICE": "control",
 }
 
 __all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the lazy names are all str

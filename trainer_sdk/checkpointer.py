@@ -297,7 +297,12 @@ class Checkpointer:
         """This writer's attempt (rank 0 only; set by restore() or the first save)."""
         self._resume_note: dict[str, Any] | None = None
         """What the manifest of the next save records about the resume (world size change)."""
-        self._status = Status(state=State.IDLE)
+        # Every local rank reports in its own file; the sidecar folds them into one pod status.
+        self._status = Status(
+            state=State.IDLE,
+            local_rank=self.local_rank,
+            local_world_size=max(_env_int("LOCAL_WORLD_SIZE") or 1, 1),
+        )
         self._status_lock = threading.Lock()
         self._last_beat = 0.0
         self._closed = False
@@ -977,12 +982,12 @@ class Checkpointer:
             self._write_status(status)
 
     def _write_status(self, status: Status) -> None:
-        if self._channel is None or self.local_rank != 0:
+        if self._channel is None:
             return
         try:
             self._channel.write_status(status)
         except OSError as e:
-            log.warning("could not write %s: %s", self._channel.status_path, e)
+            log.warning("could not write a status file in %s: %s", self._channel.directory, e)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -29,6 +29,16 @@ How the SDK reports a save in ``status.json`` (the sidecar's metrics rely on it)
    is refreshed. The sidecar counts each new final state once (by state, request id, step and
    ``updated``), so a heartbeat never counts as a second save.
 
+Several processes per pod (``torchrun --nproc-per-node N``) share one directory. Each local
+rank writes its own status file: ``status.json`` for ``LOCAL_RANK=0`` (the same file as with one
+process), ``status.local-<k>.json`` for the others, each naming ``local_rank`` and
+``local_world_size``. :meth:`ControlChannel.read_status` folds them into one status for the
+whole pod (:func:`aggregate`): ``committed`` (or ``skipped``) only when every local rank reports
+that final state for the same save, ``failed`` as soon as one local rank failed, otherwise the
+least advanced state; the heartbeat is the oldest, so one silent process makes the pod silent.
+Only ``LOCAL_RANK=0`` takes requests: the ranks' per-step agreement carries a request to every
+rank of the job.
+
 This module must stay torch-free: the sidecar imports it and must stay small.
 
 Who calls what:
@@ -36,8 +46,9 @@ Who calls what:
 * sidecar: :meth:`ControlChannel.merge_request`, :meth:`ControlChannel.read_status`,
   :func:`trainer_liveness`;
 * SDK (``LOCAL_RANK=0``): :meth:`ControlChannel.read_request` at step boundaries,
-  :meth:`ControlChannel.clear_request` once it has taken the request,
-  :meth:`ControlChannel.write_status` on each transition and as a heartbeat.
+  :meth:`ControlChannel.clear_request` once it has taken the request;
+* SDK (every local rank): :meth:`ControlChannel.write_status` on each transition and as a
+  heartbeat, to its own file.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from pathlib import Path
 from typing import Any, Final
 
 __all__ = [
+    "EXIT_STOPPED_AFTER_NOTICE",
     "LOCK_FILE",
     "REQUEST_FILE",
     "STATUS_FILE",
@@ -67,14 +79,23 @@ __all__ = [
     "Request",
     "State",
     "Status",
+    "aggregate",
     "format_rfc3339",
+    "local_status_file",
     "parse_rfc3339",
     "trainer_liveness",
     "utcnow",
 ]
 
+EXIT_STOPPED_AFTER_NOTICE: Final = 75
+"""Exit code of a trainer that stopped because ``Checkpointer.step()`` returned True
+(``EX_TEMPFAIL``: try again later). Launchers may replace it (torchrun exits 1 when a worker
+exits 75), so the operator takes the status of the save, not the exit code, as the truth."""
+
 REQUEST_FILE: Final = "request.json"
 STATUS_FILE: Final = "status.json"
+"""Local rank 0's status; with one process per pod, the only one."""
+_LOCAL_STATUS: Final = "status.local-{}.json"
 LOCK_FILE: Final = ".lock"
 
 # Both containers may run as different users that share only the volume's group, so the files
@@ -220,9 +241,16 @@ class Request:
         return self
 
 
+def local_status_file(local_rank: int) -> str:
+    """The status file of one local rank: ``status.json`` for 0, else ``status.local-<k>.json``."""
+    if local_rank < 0:
+        raise ControlFormatError(f"local rank {local_rank} is negative: check $LOCAL_RANK")
+    return STATUS_FILE if local_rank == 0 else _LOCAL_STATUS.format(local_rank)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Status:
-    """What the SDK reports (``status.json``); written by the process with ``LOCAL_RANK=0``."""
+    """What the SDK reports: one file per local rank, folded into one by :func:`aggregate`."""
 
     state: State = State.IDLE
     """See :class:`State`."""
@@ -252,6 +280,14 @@ class Status:
     """The writer's process id (for people; PID namespaces differ between containers)."""
     heartbeat: datetime = dataclasses.field(default_factory=utcnow)
     """Refreshed at step boundaries, so that the sidecar can tell a silent or dead trainer."""
+    local_rank: int = 0
+    """The writer's ``LOCAL_RANK``."""
+    local_world_size: int = 1
+    """The writer's ``LOCAL_WORLD_SIZE``: how many status files make up the pod's status."""
+    ranks: tuple[Mapping[str, Any], ...] = ()
+    """Filled in by :func:`aggregate` only: each local rank's ``local_rank``, ``state``,
+    ``step``, ``trigger``, ``error`` and ``heartbeat`` (``state`` ``absent`` if it has not
+    written a status yet)."""
 
     def __post_init__(self) -> None:
         # Accept the state as a plain string too, so that callers may write state="saving".
@@ -274,6 +310,9 @@ class Status:
             "updated": format_rfc3339(self.updated),
             "pid": self.pid,
             "heartbeat": format_rfc3339(self.heartbeat),
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "ranks": [dict(r) for r in self.ranks],
         }
 
     @classmethod
@@ -309,6 +348,9 @@ class Status:
             updated=updated if updated is not None else now,
             pid=_get(data, "pid", int) or 0,
             heartbeat=heartbeat if heartbeat is not None else now,
+            local_rank=_get(data, "local_rank", int) or 0,
+            local_world_size=max(_get(data, "local_world_size", int) or 1, 1),
+            ranks=tuple(_get_ranks(data)),
         )
 
     def beat(self, now: datetime | None = None) -> Status:
@@ -406,13 +448,33 @@ class ControlChannel:
     # ---- status ---------------------------------------------------------------------------
 
     def read_status(self) -> Status | None:
-        """The SDK's last status, or ``None`` when the SDK has not written one yet."""
-        data = self._read_json(self.status_path)
+        """The pod's status: local rank 0's, folded with the other local ranks' (see
+        :func:`aggregate`), or ``None`` when local rank 0 has not written one yet."""
+        primary = self.read_local_status(0)
+        if primary is None or primary.local_world_size <= 1:
+            return primary
+        others = {k: self.read_local_status(k) for k in range(1, primary.local_world_size)}
+        return aggregate(primary, others)
+
+    def read_local_status(self, local_rank: int) -> Status | None:
+        """One local rank's own status as written, or ``None``."""
+        data = self._read_json(self.directory / local_status_file(local_rank))
         return None if data is None else Status.from_json(data)
 
     def write_status(self, status: Status) -> None:
-        """Write ``status`` atomically. Only one process (``LOCAL_RANK=0``) writes it."""
-        self._write_json(self.status_path, status.to_json())
+        """Write ``status`` atomically to the file of its ``local_rank``."""
+        self._write_json(self.directory / local_status_file(status.local_rank), status.to_json())
+
+    def status_ident(self) -> tuple[tuple[str, int, int, int], ...]:
+        """Names, mtimes, sizes and inodes of the status files: changes when any is rewritten."""
+        idents = []
+        for path in sorted(self.directory.glob("status*.json")):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            idents.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(idents)
 
     # ---- files ----------------------------------------------------------------------------
 
@@ -471,6 +533,87 @@ class ControlChannel:
             yield
         finally:
             os.close(fd)  # closing releases the lock
+
+
+_ENDED: Final = frozenset({State.COMMITTED, State.FAILED, State.SKIPPED})
+_PROGRESS: Final = {
+    State.IDLE: 0,
+    State.COMMITTED: 3,
+    State.SKIPPED: 3,
+    State.FAILED: 3,
+    State.REQUESTED: 1,
+    State.SAVING: 2,
+}
+
+
+def aggregate(primary: Status, others: Mapping[int, Status | None]) -> Status:
+    """One status for a pod of several local ranks: ``primary`` (local rank 0's) with its
+    ``state``, ``error``, ``heartbeat`` and ``updated`` folded over ``others``.
+
+    A save is identified by its ``trigger`` and ``step``, which every rank agrees on (only local
+    rank 0 knows the request id). ``failed`` if any local rank reports ``failed``; otherwise
+    the primary's final state only when every local rank reports it for the same save;
+    otherwise the least advanced state of that save (a rank still on an older save, or without
+    a status yet, counts as ``requested``).
+    """
+    everyone: dict[int, Status | None] = {0: primary, **dict(others)}
+    count = max(primary.local_world_size, len(everyone))
+    ranks = []
+    for k in range(count):
+        s = everyone.get(k)
+        ranks.append(
+            {"local_rank": k, "state": "absent", "step": None, "trigger": None, "error": None,
+             "heartbeat": None}
+            if s is None
+            else {"local_rank": k, "state": s.state.value, "step": s.step, "trigger": s.trigger,
+                  "error": s.error, "heartbeat": format_rfc3339(s.heartbeat)}
+        )  # fmt: skip
+    present = [s for s in everyone.values() if s is not None]
+    heartbeat = min(s.heartbeat for s in present)
+    failed = [
+        (k, s) for k, s in sorted(everyone.items()) if s is not None and s.state is State.FAILED
+    ]
+    if failed:
+        error = "; ".join(f"local rank {k}: {s.error or 'failed'}" for k, s in failed)
+        return dataclasses.replace(
+            primary,
+            state=State.FAILED,
+            error=error,
+            heartbeat=heartbeat,
+            updated=max(s.updated for _, s in failed),
+            ranks=tuple(ranks),
+        )
+    if primary.state is State.IDLE:
+        return dataclasses.replace(primary, heartbeat=heartbeat, ranks=tuple(ranks))
+    save = (primary.trigger, primary.step)
+
+    def progress(s: Status | None) -> int:
+        if s is None or (s.trigger, s.step) != save or s.state is State.IDLE:
+            return _PROGRESS[State.REQUESTED]
+        return _PROGRESS[s.state]
+
+    least = min(progress(everyone.get(k)) for k in range(count))
+    if primary.state in _ENDED and least == _PROGRESS[primary.state]:
+        same = all(
+            (s := everyone.get(k)) is not None and s.state is primary.state for k in range(count)
+        )
+        if same:
+            return dataclasses.replace(
+                primary,
+                heartbeat=heartbeat,
+                updated=max(s.updated for s in present),
+                ranks=tuple(ranks),
+            )
+        least = _PROGRESS[State.SAVING]
+    state = State.REQUESTED if least <= _PROGRESS[State.REQUESTED] else State.SAVING
+    return dataclasses.replace(primary, state=state, heartbeat=heartbeat, ranks=tuple(ranks))
+
+
+def _get_ranks(data: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    value = data.get("ranks") or []
+    if not isinstance(value, list) or not all(isinstance(r, Mapping) for r in value):
+        raise ControlFormatError(f"status 'ranks' must be a list of objects, got {value!r}")
+    return [dict(r) for r in value]
 
 
 def _fsync_dir(directory: Path) -> None:

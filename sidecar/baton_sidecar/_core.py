@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final
@@ -17,6 +16,7 @@ from typing import Any, Final
 from baton_sidecar._config import SidecarConfig
 from baton_sidecar._metrics import SidecarMetrics
 from trainer_sdk.control import (
+    STATUS_FILE,
     ControlChannel,
     ControlError,
     Liveness,
@@ -48,7 +48,7 @@ class Sidecar:
         self._listeners: list[StatusListener] = []
         # One request at a time within this process; the file lock covers the SDK's side.
         self._request_lock = asyncio.Lock()
-        self._seen_ident: tuple[int, int, int] | None = None
+        self._seen_ident: tuple[tuple[str, int, int, int], ...] | None = None
         self._seen_end: tuple[Any, ...] | None = None
         self._seen_committed_step: int | None = None
         self._bad_status: str | None = None
@@ -140,6 +140,9 @@ class Sidecar:
                 "updated": None,
                 "pid": None,
                 "heartbeat": None,
+                "local_rank": 0,
+                "local_world_size": None,
+                "ranks": [],
             }
         )
         if status is not None and status.state in _ENDED and status.request_id:
@@ -183,12 +186,14 @@ class Sidecar:
             await asyncio.sleep(self.config.status_interval)
 
     def check_status(self, *, first: bool = False) -> None:
-        """Look at ``status.json`` once (one ``stat`` unless it changed)."""
-        try:
-            st = os.stat(self.channel.status_path)
-        except FileNotFoundError:
+        """Look at the status files once (a directory listing and ``stat`` s unless one changed).
+
+        With several processes per pod each local rank writes its own file; the channel folds
+        them into one status, so a save ends here only once every local rank reported it.
+        """
+        ident = self.channel.status_ident()
+        if not any(name == STATUS_FILE for name, *_ in ident):
             return
-        ident = (st.st_mtime_ns, st.st_size, st.st_ino)
         if ident == self._seen_ident:
             return
         self._seen_ident = ident

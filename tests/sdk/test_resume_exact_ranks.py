@@ -1,4 +1,4 @@
-"""Exactness beyond two ranks: 3 and 4 gloo ranks (DDP, and FSDP2 at 3), one rank SIGKILLed or
+"""Exactness beyond two ranks: 3 and 4 gloo ranks (DDP and FSDP2), one rank SIGKILLed or
 SIGTERMed mid-run, resumed: per-step losses of every rank and the final weights, optimizer,
 scheduler, scaler and sampler state are bitwise equal to an uninterrupted run.
 
@@ -30,6 +30,7 @@ SHAPES = {
     "ddp-3": (3, ()),
     "ddp-4": (4, ()),
     "fsdp2-3": (3, ("--fsdp",)),
+    "fsdp2-4": (4, ("--fsdp",)),
 }
 
 
