@@ -18,6 +18,7 @@ from baton_testing.s3 import Fault, FaultProxy, S3Bucket
 import trainer_sdk
 from trainer_sdk._deadline import deadline_scope
 from trainer_sdk.errors import BatonError, StorageError
+from trainer_sdk.storage import _save_deadline
 from trainer_sdk.storage._s3_retry import DeadlineError
 from trainer_sdk.storage.s3 import MiB, S3Config, S3Storage
 
@@ -467,3 +468,21 @@ def test_notice_save_gives_up_before_its_deadline(
     assert s3_faults.multipart_uploads() == []
     assert trainer_sdk.latest_step(s3_faults.uri()) is None
     ck.close()
+
+
+def test_deadline_scopes_nest_to_the_earlier_deadline() -> None:
+    assert _save_deadline.current() is None
+    with deadline_scope(None):
+        assert _save_deadline.current() is None
+    with deadline_scope(time.time() + 100):
+        outer = _save_deadline.current()
+        assert outer is not None
+        assert 90 < outer - time.monotonic() <= 100
+        with deadline_scope(time.time() + 1000):
+            assert _save_deadline.current() == outer  # a later deadline does not extend it
+        with deadline_scope(time.time() + 10):
+            inner = _save_deadline.current()
+            assert inner is not None
+            assert inner < outer
+        assert _save_deadline.current() == outer
+    assert _save_deadline.current() is None
