@@ -79,6 +79,7 @@ from trainer_sdk.layout import (
     block_count,
     file_path,
     json_name,
+    new_hasher,
     parse_latest,
     shard_name,
     step_dir,
@@ -427,7 +428,7 @@ def write_rank(
     _refuse_if_committed(storage, step)
     storage.write_atomic(file_path(step, jname), jdata)
     files = {
-        sname: FileEntry(size=res.size, sha256=res.sha256, data_start=res.data_start),
+        sname: FileEntry(size=res.size, blake3=res.blake3, data_start=res.data_start),
         jname: FileEntry(size=len(jdata), sha256=hashlib.sha256(jdata).hexdigest()),
     }
     meta: dict[str, dict[str, Any]] = {}
@@ -517,9 +518,7 @@ def _build_manifest(
     pieces: dict[str, list[Piece]] = {}
     for rec in records:
         for name, f in rec["files"].items():
-            files[name] = FileEntry(
-                size=f["size"], sha256=f["sha256"], data_start=f.get("data_start")
-            )
+            files[name] = FileEntry.from_json(f)
         for key, m in rec["tensors"].items():
             meta.setdefault(key, m)
         for key, pj in rec["pieces"]:
@@ -966,8 +965,13 @@ class _Reader:
         name = json_name(rank, self.m.world_size)
         self.check_size(name)
         data = self.storage.read_bytes(self._path(name))
-        if hashlib.sha256(data).hexdigest() != self.m.files[name].sha256:
-            raise CorruptCheckpointError("sha256 differs from the manifest", path=self._path(name))
+        algorithm, want = self.m.files[name].digest
+        h = new_hasher(algorithm)
+        h.update(data)
+        if h.hexdigest() != want:
+            raise CorruptCheckpointError(
+                f"{algorithm} differs from the manifest", path=self._path(name)
+            )
         try:
             return json.loads(data)
         except ValueError as e:

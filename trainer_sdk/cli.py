@@ -2,7 +2,7 @@
 
     python -m trainer_sdk ls URI                  steps, complete or not, and the latest hint
     python -m trainer_sdk inspect URI [--step N]  one manifest in human form
-    python -m trainer_sdk verify URI [--step N]   every file's size and sha256 (progress on
+    python -m trainer_sdk verify URI [--step N]   every file's size and digest (progress on
                                                   stderr); exit status 1 on any corruption
     python -m trainer_sdk export-hf URI OUT (--config PATH | --weights-only) [--step N]
                                   [--max-shard-size 5GB] [--prefix P] [--overwrite]
@@ -17,7 +17,6 @@ Progress goes to stderr: redrawn in place on a terminal, as a plain line now and
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from trainer_sdk.layout import (
     check_header_matches,
     file_path,
     header_length,
+    new_hasher,
     parse_safetensors_header,
     step_dir,
 )
@@ -98,7 +98,8 @@ def cmd_inspect(storage: Storage, step: int | None, out: TextIO) -> int:
     print(f"size        {_human(m.total_bytes)} in {len(m.files)} files", file=out)
     print("\nfiles:", file=out)
     for name, f in m.files.items():
-        print(f"  {name:<36} {_human(f.size):>10}  sha256 {f.sha256[:16]}…", file=out)
+        algorithm, digest = f.digest
+        print(f"  {name:<36} {_human(f.size):>10}  {algorithm} {digest[:16]}…", file=out)
     print(f"\ntensors ({len(m.tensors)}):", file=out)
     # Keys are "<top-level key>.<the object's own key>" ("model." + "model.layers.0..." for a
     # transformers model): show each top-level prefix once, as a heading, and the keys under
@@ -148,7 +149,8 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
         if size != f.size:
             problems.append(f"{path}: {size} bytes, the manifest says {f.size} (truncated?)")
             continue
-        h = hashlib.sha256()
+        algorithm, want = f.digest
+        h = new_hasher(algorithm)
         head = b""
         for off in range(0, size, _CHUNK):
             n = min(_CHUNK, size - off)
@@ -163,8 +165,8 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
                 f"verifying {i}/{len(m.files)} files, {_human(done)} of {_human(total)} "
                 f"({_human(rate)}/s)"
             )
-        if h.hexdigest() != f.sha256:
-            problems.append(f"{path}: sha256 {h.hexdigest()} differs from the manifest's")
+        if h.hexdigest() != want:
+            problems.append(f"{path}: {algorithm} {h.hexdigest()} differs from the manifest's")
             continue
         if f.data_start is not None:
             try:
@@ -194,7 +196,7 @@ def cmd_verify(storage: Storage, step: int | None, out: TextIO, err: TextIO) -> 
             print(f"  {p}", file=out)
         return 1
     print(
-        f"OK step {s}: {len(m.files)} files, {_human(m.total_bytes)}, every sha256 matches",
+        f"OK step {s}: {len(m.files)} files, {_human(m.total_bytes)}, every digest matches",
         file=out,
     )
     return 0
@@ -205,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list steps and whether they are complete")
     ls.add_argument("uri")
-    for name, text in (("inspect", "show a manifest"), ("verify", "check every sha256")):
+    for name, text in (("inspect", "show a manifest"), ("verify", "check every file's digest")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("uri")
         sp.add_argument("--step", type=int, default=None, help="default: newest complete step")
