@@ -132,12 +132,14 @@ def is_complete(storage: Storage, step: int) -> bool:
 def complete_steps(storage: Storage, *, warn: bool = False) -> dict[int, Manifest]:
     """Every complete step of the newest lineage, with its manifest, ascending.
 
-    Bad manifests are skipped (with a WARNING naming the file and the reason when ``warn``);
-    an unreadable one raises. Steps committed by a stale attempt after a newer attempt had
-    committed an older step are left out (see the module docstring).
+    Bad manifests are skipped (with a WARNING naming the file and the reason when ``warn``).
+    A manifest that cannot be read now raises if it is newer than every readable complete
+    step (it may be the newest good one); an older one is left out with a WARNING, since it
+    cannot change which step is newest. Steps committed by a stale attempt after a newer
+    attempt had committed an older step are left out (see the module docstring).
     """
     out: dict[int, Manifest] = {}
-    for s in step_dirs(storage):
+    for s in reversed(step_dirs(storage)):  # newest first
         try:
             out[s] = read_manifest(storage, s)
         except IncompleteCheckpointError:
@@ -146,6 +148,16 @@ def complete_steps(storage: Storage, *, warn: bool = False) -> dict[int, Manifes
             if warn:
                 log.warning("checkpoint step %d is bad and is skipped: %s", s, e)
             continue
+        except UnreadableCheckpointError as e:
+            if not out:
+                raise
+            log.warning(
+                "checkpoint step %d cannot be read now and is left out (step %d is newer): %s",
+                s,
+                max(out),
+                e,
+            )
+    out = dict(sorted(out.items()))
     lineage: dict[int, Manifest] = {}
     top = 0
     for s, m in out.items():

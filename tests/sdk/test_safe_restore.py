@@ -209,21 +209,20 @@ def shared_root() -> Iterator[Path]:
         shutil.rmtree(root)
 
 
-def test_an_unreadable_manifest_eacces_is_raised_naming_the_step_and_kept(
-    shared_root: Path,
-) -> None:
+def _restore_as_nobody(root: Path, unreadable: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Two steps under ``root``, owned by 'nobody', with ``unreadable``'s manifest at mode 000;
+    restore() run as 'nobody'. Returns its result and the tree before it ran."""
     if os.geteuid() != 0:
         pytest.fail("run as root: the test switches to an unprivileged user itself")
     uid, gid = _unprivileged()
-    _two_steps(shared_root)
-    for p in [shared_root, *shared_root.rglob("*")]:
+    _two_steps(root)
+    for p in [root, *root.rglob("*")]:
         os.chown(p, uid, gid)
-    manifest = shared_root / STEP2 / "manifest.json"
-    manifest.chmod(0o000)  # its owner, not being root, now gets EACCES
-    before = _tree(shared_root)
+    (root / unreadable / "manifest.json").chmod(0o000)  # its owner, not root: EACCES
+    before = _tree(root)
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-c", _READER, str(shared_root), str(uid), str(gid)],
+        [sys.executable, "-c", _READER, str(root), str(uid), str(gid)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -233,13 +232,28 @@ def test_an_unreadable_manifest_eacces_is_raised_naming_the_step_and_kept(
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stdout + proc.stderr
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    return json.loads(lines[-1].removeprefix("RESULT ")), before
+
+
+def test_an_unreadable_manifest_eacces_is_raised_naming_the_step_and_kept(
+    shared_root: Path,
+) -> None:
+    out, before = _restore_as_nobody(shared_root, STEP2)
     assert out.get("type") == "UnreadableCheckpointError", out
     assert out["step_attr"] == 2
     assert "step 2" in out["msg"], out["msg"]
     assert "PermissionError" in out["msg"], out["msg"]
     assert "permissions" in out["msg"]  # the fix is named
     assert _tree(shared_root) == before  # nothing deleted, nothing written over
+
+
+def test_an_unreadable_older_step_does_not_block_the_newest(shared_root: Path) -> None:
+    out, before = _restore_as_nobody(shared_root, STEP1)
+    assert out == {"step": 2}, out  # step 1 cannot change which step is newest
+    after = _tree(shared_root)
+    assert {k: v for k, v in after.items() if k != "fence"} == {
+        k: v for k, v in before.items() if k != "fence"
+    }
 
 
 # ---- what restore() and a save do with step directories and `latest` ----------------------
