@@ -160,12 +160,12 @@ def test_sigterm_to_torchrun_and_its_shutdown_timeout(
     torchrun: Callable[..., Torchrun],
     shutdown_timeout: int,
 ) -> None:
-    """SIGTERM reaches torchrun (the container's main process) while both workers are 6 s
+    """SIGTERM reaches torchrun (the container's main process) while both workers are 10 s
     from their next step boundary: with 60 s of grace they save and commit; with 1 s torchrun
     SIGKILLs them first, and the sidecar never reports a commit."""
     sc = sidecar_factory()
-    tr = torchrun(sc.control_dir, shutdown_timeout=shutdown_timeout, sleep=6.0)
-    tr.wait_step(1)  # logged just before each worker sleeps 6 s, then reaches its boundary
+    tr = torchrun(sc.control_dir, shutdown_timeout=shutdown_timeout, sleep=10.0)
+    tr.wait_step(1)  # logged just before each worker sleeps 10 s, then reaches its boundary
     tr.proc.send_signal(signal.SIGTERM)
     code = tr.wait()
     assert code != 0, tr.output()
