@@ -281,6 +281,8 @@ def bench_two_ranks(meter: Meter, base: Path, gib: float, runs: int) -> None:
             raise SystemExit("a rank of the 2-rank benchmark failed")
     server_s = (process_cpu(meter.server_pid) - s0) / (2 * runs)  # not split save/load
     res = json.loads(Path(f"{out}.0").read_text())
+    for rank in range(2):
+        Path(f"{out}.{rank}").unlink()
     for name, rows in res.items():
         for wall, cpu in rows:
             meter.add(name, wall, cpu, server_s)
