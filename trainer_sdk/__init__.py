@@ -3,16 +3,51 @@
 Importing ``trainer_sdk`` is cheap and does not import torch. The public names below are
 loaded on first use (PEP 562), so torch-free modules such as :mod:`trainer_sdk.control`
 can be used by the sidecar without pulling torch into its process.
+
+Type checkers do not run ``__getattr__``: they read the ``TYPE_CHECKING`` imports below, so a
+user's mypy sees the real ``Checkpointer``, ``save`` and errors, not ``Any``. Every name in
+``_LAZY`` has its import there (``tests/sdk/test_public_types.py`` runs mypy on a user script
+and fails on any public name that is ``Any``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from trainer_sdk._version import __version__
 
-# public name -> submodule that defines it
+if TYPE_CHECKING:
+    from trainer_sdk._types import RankLocal as RankLocal
+    from trainer_sdk._types import Stateful as Stateful
+    from trainer_sdk.api import LoadInfo as LoadInfo
+    from trainer_sdk.api import SaveInfo as SaveInfo
+    from trainer_sdk.api import cleanup_incomplete as cleanup_incomplete
+    from trainer_sdk.api import delete_step as delete_step
+    from trainer_sdk.api import latest_step as latest_step
+    from trainer_sdk.api import list_steps as list_steps
+    from trainer_sdk.api import load as load
+    from trainer_sdk.api import save as save
+    from trainer_sdk.checkpointer import Checkpointer as Checkpointer
+    from trainer_sdk.checkpointer import ResumeError as ResumeError
+    from trainer_sdk.control import EXIT_STOPPED_AFTER_NOTICE as EXIT_STOPPED_AFTER_NOTICE
+    from trainer_sdk.errors import BatonError as BatonError
+    from trainer_sdk.errors import CheckpointError as CheckpointError
+    from trainer_sdk.errors import CollectiveTimeoutError as CollectiveTimeoutError
+    from trainer_sdk.errors import CorruptCheckpointError as CorruptCheckpointError
+    from trainer_sdk.errors import IncompleteCheckpointError as IncompleteCheckpointError
+    from trainer_sdk.errors import ManifestError as ManifestError
+    from trainer_sdk.errors import RankFailedError as RankFailedError
+    from trainer_sdk.errors import StorageError as StorageError
+    from trainer_sdk.errors import SupersededError as SupersededError
+    from trainer_sdk.errors import UnreadableCheckpointError as UnreadableCheckpointError
+    from trainer_sdk.errors import UnsupportedFormatError as UnsupportedFormatError
+    from trainer_sdk.hf import export_hf as export_hf
+    from trainer_sdk.sampler import ResumableSampler as ResumableSampler
+    from trainer_sdk.staging import AsyncSaveHandle as AsyncSaveHandle
+    from trainer_sdk.staging import async_save as async_save
+
+# public name -> submodule that defines it (keep in step with the TYPE_CHECKING imports above)
 _LAZY: dict[str, str] = {
     "save": "api",
     "load": "api",
@@ -38,6 +73,9 @@ _LAZY: dict[str, str] = {
     "CollectiveTimeoutError": "errors",
     "RankFailedError": "errors",
     "StorageError": "errors",
+    "SupersededError": "errors",
+    "UnreadableCheckpointError": "errors",
+    "UnsupportedFormatError": "errors",
     "EXIT_STOPPED_AFTER_NOTICE": "control",
 }
 

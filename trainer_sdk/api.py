@@ -39,7 +39,6 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk import __version__ as _baton_version
 from trainer_sdk import _catalog
 from trainer_sdk._collectives import (
     all_gather_json,
@@ -55,6 +54,7 @@ from trainer_sdk._safetensors_io import (
     write_shard,
 )
 from trainer_sdk._types import RankLocal, Stateful
+from trainer_sdk._version import __version__ as _baton_version
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
