@@ -50,6 +50,7 @@ from transformers.trainer_utils import seed_worker
 from trainer_sdk import rng
 from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
+from trainer_sdk.control import Trigger
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.sampler import ResumableSampler
 
@@ -308,7 +309,7 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
             return
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        baton.save(step, trigger="periodic")
+        baton.save(step, trigger=Trigger.PERIODIC)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         super()._maybe_log_save_evaluate(*args, **kwargs)
@@ -435,6 +436,11 @@ def _check_args(args: Any) -> None:
         problems.append(
             "load_best_model_at_end=True reloads a Trainer checkpoint-N/ folder at the end: "
             "set it False and export the step you want with trainer_sdk.export_hf"
+        )
+    if args.deepspeed:
+        problems.append(
+            "deepspeed: its engine keeps optimizer and ZeRO state outside the module and "
+            "optimizer that Baton saves; use DDP or FSDP2 (fsdp='full_shard' with version 2)"
         )
     if args.auto_find_batch_size:
         problems.append(
