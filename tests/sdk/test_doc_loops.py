@@ -1,10 +1,11 @@
 """Every training loop shown in the README and the docs runs, as written, and stops at a notice.
 
-Each ``python`` block with a whole loop (``restore()`` and ``ckpt.step(``) is taken from the page unchanged, except that
-the ``...`` placeholder ("one optimizer step") becomes a real optimizer step that counts
-itself. A real SIGTERM is sent to the process right after ``restore()``: the Checkpointer
-turns it into a checkpoint at the next step boundary, and the loop must then stop. The check:
-every step the loop trained is in the last checkpoint (no step is trained and then lost).
+Each ``python`` block with a whole loop (``restore()`` and ``ckpt.step(``) is taken from the
+page unchanged, except that the ``...`` placeholder ("one optimizer step") becomes a real
+optimizer step that counts itself. A real SIGTERM is sent to the process right after
+``restore()``: the Checkpointer turns it into a checkpoint at the next step boundary, and the
+loop must then stop. The check: every step the loop trained is in the last checkpoint (no
+step is trained and then lost).
 """
 
 from __future__ import annotations
