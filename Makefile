@@ -41,7 +41,8 @@ setup-helm: ; @tools/setup-part.sh helm tools/helm/build.sh
 setup-versitygw: ; @tools/setup-part.sh versitygw tools/versitygw/build.sh
 setup-prometheus: ; @tools/setup-part.sh prometheus tools/prometheus.sh
 
-.PHONY: $(addprefix setup-,$(SETUP_PARTS))
+# Not .PHONY on purpose: a name in SETUP_PARTS without its rule then fails ("No rule to make
+# target"), where a phony target without a rule would pass silently.
 build:
 	@echo "==> setting up, side by side: $(SETUP_PARTS)"
 	@start=$$SECONDS; \
