@@ -13,25 +13,27 @@ The nodes' state (readiness, notices) comes from kopf's Node watch through :clas
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from . import lifecycle, manifests, podpolicy
-from .errors import SidecarError
+from .errors import KubeError, SidecarError
 from .kube import Kube
 from .lifecycle import Outcome, Phase, RankView, VerdictKind
 from .metrics import Metrics
 from .model import JobSpec, LastCheckpoint
 from .notices import Notice, earliest, node_notices, parse_time, pod_notice
-from .settings import OperatorConfig
+from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient, SidecarStatus
 
 __all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
 
 _log = logging.getLogger(__name__)
+
+_CREATE_BACKOFF_CEILING = 60.0
+"""Seconds: the longest wait between tries of a create that failed for a temporary reason."""
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 """``post(job_body, type, reason, message)``: posts a Kubernetes Event about the job."""
@@ -133,6 +135,22 @@ class JobMemory:
         if self.attempt != attempt:
             self.attempt = attempt
             self.reports = {}
+
+    create_failures: int = 0
+    """Creates of pods or the Service that failed in a row (temporary errors)."""
+    create_retry_at: datetime | None = None
+    """No create is tried before this time (backoff after a temporary error)."""
+
+    def committed_notice(self, rank: int) -> bool:
+        """The rank's sidecar reported a *committed* save for a notice or a signal: the
+        checkpoint holds every rank's shards, whatever exit code the trainer (or torchrun,
+        which turns a worker's 75 into 1) ends with."""
+        r = self.reports.get(rank)
+        return (
+            r is not None
+            and r.state == "committed"
+            and (r.trigger in ("notice", "signal") or bool(r.request_id))
+        )
 
     def served_notice(self, rank: int) -> bool:
         """The rank's SDK reported serving a notice (a save for a request or a signal)."""
@@ -301,7 +319,7 @@ class Reconciler:
                 await self._refuse(job, spec, status, refused, now)
                 return tick
         if phase is None:
-            await self._start(job, spec, now)
+            await self._start(job, spec, now, memory)
             return tick
         pods = await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
         if phase in (Phase.SUCCEEDED, Phase.FAILED):
@@ -344,13 +362,33 @@ class Reconciler:
             await self._checkpointing(t)
             # A sidecar lives only a moment after its trainer stops: poll it often.
             return min(tick, 0.25)
-        await self._ensure_pods(spec, status, current, replicas, now)
+        await self._ensure_pods(
+            job, spec, status=status, current=current, replicas=replicas, now=now, memory=memory
+        )
         notice = self._notice(current, now)
         if notice is not None:
             await self._begin_checkpoint(t, phase, notice)
             return min(tick, 0.25)
         await self._progress(t)
         outcome, detail = lifecycle.classify(views, replicas)
+        if outcome is Outcome.FAILED and any(
+            v.exit_code not in (None, 0, EMERGENCY_EXIT_CODE) and not v.committed_notice
+            for v in views
+        ):
+            # The exit code is not the whole truth: torchrun reports a worker's 75 ("stopped
+            # after a committed notice save") as 1. The sidecar lingers until that save's
+            # outcome is read; read it now, before a failure is counted.
+            await self._poll_ranks(views, memory)
+            views = [
+                replace(
+                    v,
+                    served_notice=memory.served_notice(v.rank),
+                    committed_notice=memory.committed_notice(v.rank),
+                )
+                for v in views
+            ]
+            t.views = views
+            outcome, detail = lifecycle.classify(views, replicas)
         await self._act(t, phase, outcome, detail)
         return tick
 
@@ -398,6 +436,7 @@ class Reconciler:
             disrupted=bool(meta.get("deletionTimestamp"))
             or pod_notice(pod, now=now, graces=self._config.graces) is not None,
             served_notice=memory.served_notice(rank),
+            committed_notice=memory.committed_notice(rank),
         )
 
     def _notice(self, current: Mapping[int, Mapping[str, Any]], now: datetime) -> Notice | None:
@@ -430,10 +469,18 @@ class Reconciler:
         except Exception:  # an Event is best effort; never let it stop the reconcile
             _log.warning("could not post Event %s", reason, exc_info=False)
 
-    async def _start(self, job: Mapping[str, Any], spec: JobSpec, now: datetime) -> None:
-        token = secrets.token_urlsafe(32)
+    async def _start(
+        self, job: Mapping[str, Any], spec: JobSpec, now: datetime, memory: JobMemory
+    ) -> None:
+        if not self._may_create(memory, now):
+            return
+        token = self._token_for(spec)
         await self._kube.create_secret(spec.namespace, manifests.token_secret_manifest(spec, token))
-        await self._kube.create_service(spec.namespace, manifests.service_manifest(spec))
+        service = manifests.service_manifest(spec)
+        if not await self._create(
+            job, spec, status={}, memory=memory, kind="service", body=service, now=now
+        ):
+            return
         conditions = _set_condition(
             [], "Ready", False, "Starting", "creating the first attempt's pods",
             now=now, generation=spec.generation,
@@ -459,35 +506,126 @@ class Reconciler:
             f"starting {spec.replicas} replicas x {spec.procs_per_replica} processes",
         )  # fmt: skip
 
+    @staticmethod
+    def _may_create(memory: JobMemory, now: datetime) -> bool:
+        return memory.create_retry_at is None or now >= memory.create_retry_at
+
+    async def _create(
+        self,
+        job: Mapping[str, Any],
+        spec: JobSpec,
+        *,
+        status: Mapping[str, Any],
+        memory: JobMemory,
+        kind: str,
+        body: dict[str, Any],
+        now: datetime,
+    ) -> bool:
+        """Create a pod or the Service; on an error, report it and return False.
+
+        Every error goes to ``status.message``, a condition and an Event that quote the API
+        server (which names the field). A permanent one (the object is invalid, or Pod
+        Security forbids it) fails the job: sending it again can never work. A temporary one
+        (quota, RBAC, an outage) is retried with an exponential backoff, not every tick.
+        """
+        create = self._kube.create_pod if kind == "pod" else self._kube.create_service
+        try:
+            await create(spec.namespace, body)
+        except KubeError as e:
+            await self._create_failed(
+                job, spec, status=status, memory=memory, kind=kind, error=e, now=now
+            )
+            return False
+        if memory.create_failures:
+            memory.create_failures = 0
+            memory.create_retry_at = None
+            conditions = _set_condition(
+                list(status.get("conditions") or []), "Degraded", False, "Created",
+                f"{kind} {body['metadata']['name']} created", now=now,
+                generation=spec.generation,
+            )  # fmt: skip
+            await self._patch(spec, {"conditions": conditions})
+        return True
+
+    async def _create_failed(
+        self,
+        job: Mapping[str, Any],
+        spec: JobSpec,
+        *,
+        status: Mapping[str, Any],
+        memory: JobMemory,
+        kind: str,
+        error: KubeError,
+        now: datetime,
+    ) -> None:
+        # The API server names pod fields from the pod's root; the user wrote them under
+        # spec.template (the operator keeps the template's container order).
+        fields = [
+            f"spec.template.{f}" if kind == "pod" and f.startswith("spec.") else f
+            for f in error.fields
+        ]
+        named = f" (field {', '.join(fields)})" if fields else ""
+        conditions = list(status.get("conditions") or [])
+        if error.permanent:
+            reason = "PodRejected" if kind == "pod" else "ServiceRejected"
+            fix = (
+                "fix spec.template and re-create the TrainingJob"
+                if kind == "pod"
+                else "fix the TrainingJob and re-create it"
+            )
+            message = f"the API server rejected the {kind}{named}: {error}; {fix}"
+            conditions = _set_condition(conditions, "Ready", False, reason, message,
+                                        now=now, generation=spec.generation)  # fmt: skip
+            conditions = _set_condition(conditions, "Failed", True, reason, message,
+                                        now=now, generation=spec.generation)  # fmt: skip
+            await self._patch(
+                spec, {"phase": Phase.FAILED.value, "message": message, "conditions": conditions}
+            )
+            await self._event(job, "Warning", reason, message)
+            return
+        memory.create_failures += 1
+        delay = min(_CREATE_BACKOFF_CEILING, 2.0 ** (memory.create_failures - 1))
+        memory.create_retry_at = now + timedelta(seconds=delay)
+        reason = "PodCreateFailed" if kind == "pod" else "ServiceCreateFailed"
+        message = f"could not create the {kind}{named}: {error}; retrying in {delay:.0f}s"
+        conditions = _set_condition(conditions, "Degraded", True, reason, message,
+                                    now=now, generation=spec.generation)  # fmt: skip
+        if status:  # a job not started yet has no status to add to (it gets one on success)
+            await self._patch(spec, {"message": message, "conditions": conditions})
+        await self._event(job, "Warning", reason, message)
+
     async def _ensure_pods(
         self,
+        job: Mapping[str, Any],
         spec: JobSpec,
+        *,
         status: Mapping[str, Any],
         current: Mapping[int, Mapping[str, Any]],
         replicas: int,
         now: datetime,
+        memory: JobMemory,
     ) -> None:
         attempt = int(status.get("attempt", 0))
         resume = status.get("resumedFromStep")
         avoid = list(status.get("avoidNodes") or [])
         resume_step = None if resume is None else int(resume)
         master = status.get("masterAddr")
-        if master:
+        if master or not self._may_create(memory, now):
             return
         rank0 = current.get(0)
         if rank0 is None:
-            await self._kube.create_pod(
-                spec.namespace,
-                manifests.pod_manifest(
-                    spec,
-                    self._config,
-                    attempt=attempt,
-                    rank=0,
-                    replicas=replicas,
-                    master_addr=None,
-                    resume_step=resume_step,
-                    avoid_nodes=avoid,
-                ),
+            body = manifests.pod_manifest(
+                spec,
+                self._config,
+                attempt=attempt,
+                rank=0,
+                replicas=replicas,
+                master_addr=None,
+                resume_step=resume_step,
+                avoid_nodes=avoid,
+            )
+            await self._create(
+                job, spec, status=status, memory=memory, kind="pod", body=body, now=now
             )
             return
         ip = (rank0.get("status") or {}).get("podIP")
@@ -495,19 +633,20 @@ class Reconciler:
             return
         for rank in range(1, replicas):
             if rank not in current:
-                await self._kube.create_pod(
-                    spec.namespace,
-                    manifests.pod_manifest(
-                        spec,
-                        self._config,
-                        attempt=attempt,
-                        rank=rank,
-                        replicas=replicas,
-                        master_addr=ip,
-                        resume_step=resume_step,
-                        avoid_nodes=avoid,
-                    ),
+                body = manifests.pod_manifest(
+                    spec,
+                    self._config,
+                    attempt=attempt,
+                    rank=rank,
+                    replicas=replicas,
+                    master_addr=ip,
+                    resume_step=resume_step,
+                    avoid_nodes=avoid,
                 )
+                if not await self._create(
+                    job, spec, status=status, memory=memory, kind="pod", body=body, now=now
+                ):
+                    return
         await self._patch(spec, {"masterAddr": ip})
 
     async def _refuse(
@@ -645,7 +784,10 @@ class Reconciler:
                 "message": message,
             },
         )
-        await self._ensure_pods(spec, {**status, "masterAddr": None}, current, replicas, now)
+        await self._ensure_pods(
+            t.job, spec, status={**status, "masterAddr": None}, current=current,
+            replicas=replicas, now=now, memory=t.memory,
+        )  # fmt: skip
 
     async def _begin_checkpoint(
         self,

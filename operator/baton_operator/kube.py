@@ -84,14 +84,21 @@ def load_configuration(kubeconfig: str | None = None) -> Any:
     return configuration
 
 
+def _status_body(e: ApiException) -> dict[str, Any]:
+    try:
+        body = json.loads(e.body or "{}")
+    except (ValueError, TypeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def _translate(e: ApiException, what: str) -> KubeError:
     # Only the reason and message from the API server: never headers, which carry the token.
-    reason = ""
-    try:
-        reason = json.loads(e.body or "{}").get("message", "")
-    except (ValueError, AttributeError):
-        reason = str(e.reason)
-    return KubeError(f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0))
+    body = _status_body(e)
+    reason = str(body.get("message") or e.reason or "")
+    causes = (body.get("details") or {}).get("causes") or []
+    fields = tuple(str(c["field"]) for c in causes if isinstance(c, dict) and c.get("field"))
+    return KubeError(f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0), fields=fields)
 
 
 def _is_already_exists(e: ApiException) -> bool:
@@ -107,6 +114,7 @@ class Kube:
     """Async wrappers around the few API calls the operator makes."""
 
     def __init__(self, api_client: Any) -> None:
+        self._api: Any = api_client
         self._core: Any = k8s_client.CoreV1Api(api_client)
         self._custom: Any = k8s_client.CustomObjectsApi(api_client)
 
@@ -169,7 +177,7 @@ class Kube:
     @_needs("", "pods", "create")
     async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create a pod; return False when it already existed (idempotent re-runs)."""
-        return await self._create(self._core.create_namespaced_pod, namespace, body, "pod")
+        return await self._create("pods", namespace, body, "pod")
 
     @_needs("", "pods", "delete")
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
@@ -190,12 +198,12 @@ class Kube:
     @_needs("", "services", "create")
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create a Service; return False when it already existed."""
-        return await self._create(self._core.create_namespaced_service, namespace, body, "service")
+        return await self._create("services", namespace, body, "service")
 
     @_needs("", "secrets", "create")
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create a Secret; return False when it already existed."""
-        return await self._create(self._core.create_namespaced_secret, namespace, body, "secret")
+        return await self._create("secrets", namespace, body, "secret")
 
     @_needs("", "secrets", "get")
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
@@ -215,14 +223,33 @@ class Kube:
             return None
         return base64.b64decode(data[key]).decode()
 
-    async def _create(
-        self, fn: Callable[..., Any], namespace: str, body: dict[str, Any], kind: str
-    ) -> bool:
+    async def _create(self, plural: str, namespace: str, body: dict[str, Any], kind: str) -> bool:
+        # Sent as the raw JSON the user wrote, not through the client's generated models: those
+        # re-validate the body and refuse what the API server accepts (client 37 rejects the
+        # integer quantity in `nvidia.com/gpu: 8`, the way every GPU manifest is written).
         name = body.get("metadata", {}).get("name", "?")
         try:
-            await asyncio.to_thread(fn, namespace, body, _preload_content=False)
+            await asyncio.to_thread(
+                self._post_json, f"/api/v1/namespaces/{{namespace}}/{plural}", namespace, body
+            )
         except ApiException as e:
             if _is_already_exists(e):
                 return False
             raise _translate(e, f"creating {kind} {namespace}/{name}") from e
         return True
+
+    def _post_json(self, path: str, namespace: str, body: dict[str, Any]) -> None:
+        params = self._api.param_serialize(
+            method="POST",
+            resource_path=path,
+            path_params={"namespace": namespace},
+            header_params={"Accept": "application/json", "Content-Type": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self._api.call_api(*params)
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException.from_response(
+                http_resp=resp, body=resp.data.decode("utf-8", "replace"), data=None
+            )

@@ -126,6 +126,10 @@ class RankView:
     served_notice: bool = False
     """The rank's sidecar last reported a save for a notice or a signal (committed or
     skipped): the SDK stops training after serving one, so its exit 0 is not success."""
+    committed_notice: bool = False
+    """The rank's sidecar last reported that save *committed*. The checkpoint is then the
+    truth, not the exit code: torchrun turns a worker's 75 into 1, and that exit is still a
+    stop after a checkpoint."""
 
 
 def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
@@ -133,7 +137,9 @@ def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
 
     A trainer stops after the SDK serves a notice (``Checkpointer.step`` returns True on every
     rank), so an exit 0 is success only when no rank of the attempt was disrupted, none
-    reported a served notice, and none exited with the emergency code.
+    reported a served notice, and none exited with the emergency code. Any exit of a rank
+    whose sidecar reported the notice save committed is a stop after a checkpoint, not a
+    failure (a launcher such as torchrun reports its workers' 75 as 1).
     """
     ordered = sorted(ranks, key=lambda r: r.rank)
     stopped_by_notice = [
@@ -142,7 +148,11 @@ def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
         if r.exit_code == EMERGENCY_EXIT_CODE or r.disrupted or r.served_notice
     ]
     for r in ordered:
-        if r.exit_code is not None and r.exit_code not in (0, EMERGENCY_EXIT_CODE):
+        if (
+            r.exit_code is not None
+            and r.exit_code not in (0, EMERGENCY_EXIT_CODE)
+            and not r.committed_notice
+        ):
             return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) exited with code {r.exit_code}"
         if r.exists and r.phase == "Failed" and r.exit_code is None and not r.disrupted:
             return Outcome.FAILED, f"rank {r.rank} (pod {r.pod}) failed before its trainer ran"

@@ -62,9 +62,13 @@ _CONTRACT_ENV: Final = frozenset(
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
         "MASTER_ADDR", "MASTER_PORT", "POD_IP", "BATON_CHECKPOINT_URI", "BATON_RESUME_STEP",
         "BATON_JOB", "BATON_ATTEMPT", "BATON_CONTROL_DIR", "BATON_EVERY_STEPS",
-        "BATON_EVERY_SECONDS", "BATON_KEEP_LAST",
+        "BATON_EVERY_SECONDS", "BATON_KEEP_LAST", "PET_NNODES", "PET_NODE_RANK",
+        "PET_NPROC_PER_NODE", "PET_MASTER_ADDR", "PET_MASTER_PORT",
     }
 )  # fmt: skip
+
+_DEFAULT_GRACE: Final = 30
+"""The pod's terminationGracePeriodSeconds when the template leaves it unset (Kubernetes')."""
 
 _RESTRICTED_CONTAINER: Final = {
     "allowPrivilegeEscalation": False,
@@ -172,20 +176,34 @@ def _trainer_env(
     resume_step: int | None,
 ) -> list[dict[str, Any]]:
     procs = spec.procs_per_replica
-    env = [
-        # Per pod: the first global rank in the pod; torchrun (procs > 1) uses NODE_RANK.
-        _env("RANK", rank * procs),
+    # Rank 0 is its own master: its IP comes from the downward API, no DNS involved.
+    master = (
+        _field_env("MASTER_ADDR", "status.podIP")
+        if rank == 0 or master_addr is None
+        else _env("MASTER_ADDR", master_addr)
+    )
+    env: list[dict[str, Any]] = []
+    if procs == 1:
+        env += [_env("RANK", rank), _env("LOCAL_RANK", 0)]
+    # With several processes per pod a launcher gives each its RANK and LOCAL_RANK; without
+    # them a plain `python train.py` stops at once in init_process_group ("environment
+    # variable RANK expected, but not set") instead of hanging in a rendezvous that only one
+    # process per pod ever joins.
+    env += [
         _env("WORLD_SIZE", replicas * procs),
-        _env("LOCAL_RANK", 0),
         _env("LOCAL_WORLD_SIZE", procs),
         _env("NODE_RANK", rank),
         _env("NNODES", replicas),
         _field_env("POD_IP", "status.podIP"),
-        # Rank 0 is its own master: its IP comes from the downward API, no DNS involved.
-        _field_env("MASTER_ADDR", "status.podIP")
-        if rank == 0 or master_addr is None
-        else _env("MASTER_ADDR", master_addr),
+        master,
         _env("MASTER_PORT", spec.master_port),
+        # torchrun's defaults (what Kubeflow's PyTorchJob sets too): a plain `torchrun
+        # train.py` in the template starts procsPerReplica workers and joins the job.
+        _env("PET_NNODES", replicas),
+        _env("PET_NODE_RANK", rank),
+        _env("PET_NPROC_PER_NODE", procs),
+        {**master, "name": "PET_MASTER_ADDR"},
+        _env("PET_MASTER_PORT", spec.master_port),
         _env("BATON_CHECKPOINT_URI", spec.checkpoint_uri),
         _env("BATON_JOB", spec.key),
         _env("BATON_ATTEMPT", attempt),
@@ -316,6 +334,12 @@ def pod_manifest(
         resume_step=resume_step,
     )
     user_env = [e for e in trainer.get("env") or [] if e.get("name") not in _CONTRACT_ENV]
+    if not any(e.get("name") == "PET_SHUTDOWN_TIMEOUT" for e in user_env):
+        # torchrun SIGKILLs its workers 30 s after it forwards a SIGTERM (pytorch#68258),
+        # which would cut short a save the SDK starts on that signal. Let it wait as long
+        # as the kubelet does; the user's own value wins.
+        grace = pod_spec.get("terminationGracePeriodSeconds")
+        env.append(_env("PET_SHUTDOWN_TIMEOUT", _DEFAULT_GRACE if grace is None else grace))
     trainer["env"] = env + user_env
     mounts = [m for m in trainer.get("volumeMounts") or [] if m.get("name") != CONTROL_VOLUME]
     trainer["volumeMounts"] = [*mounts, {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR}]

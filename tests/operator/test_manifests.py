@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -112,17 +113,66 @@ def test_worker_rank_needs_the_master_address() -> None:
         build(rank=1, master_addr=None)
 
 
-def test_procs_per_replica_sets_node_rank_and_world() -> None:
+def test_procs_per_replica_sets_torchrun_env_and_leaves_rank_to_the_launcher() -> None:
     s = spec(procsPerReplica=4)
     pod = manifests.pod_manifest(
         s, CONFIG, attempt=0, rank=1, replicas=2, master_addr="10.0.0.1", resume_step=None
     )
     env = env_of(trainer(pod))
     assert env["WORLD_SIZE"] == "8"
-    assert env["RANK"] == "4"
     assert env["LOCAL_WORLD_SIZE"] == "4"
     assert env["NODE_RANK"] == "1"
     assert env["NNODES"] == "2"
+    # What `torchrun train.py` reads as its defaults.
+    assert env["PET_NNODES"] == "2"
+    assert env["PET_NODE_RANK"] == "1"
+    assert env["PET_NPROC_PER_NODE"] == "4"
+    assert env["PET_MASTER_ADDR"] == "10.0.0.1"
+    assert env["PET_MASTER_PORT"] == env["MASTER_PORT"] == "29500"
+    # torchrun gives each worker its RANK and LOCAL_RANK. A pod-wide value would let a plain
+    # `python train.py` join as one process of four and hang; without it, it fails at once.
+    # The user's RANK=99 in the template is dropped as well.
+    assert "RANK" not in env
+    assert "LOCAL_RANK" not in env
+
+
+def test_torchrun_master_of_the_first_pod_is_its_own_ip() -> None:
+    s = spec(procsPerReplica=2)
+    pod = manifests.pod_manifest(
+        s, CONFIG, attempt=0, rank=0, replicas=2, master_addr=None, resume_step=None
+    )
+    env = env_of(trainer(pod))
+    own_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["PET_MASTER_ADDR"] == env["MASTER_ADDR"] == own_ip
+    assert env["PET_NODE_RANK"] == "0"
+
+
+def test_torchrun_waits_for_a_signal_save_as_long_as_the_kubelet() -> None:
+    assert env_of(trainer(build()))["PET_SHUTDOWN_TIMEOUT"] == "30"
+    s = spec(procsPerReplica=2)
+    template = dict(s.template)
+    template["spec"] = {**template["spec"], "terminationGracePeriodSeconds": 120}
+    pod = manifests.pod_manifest(
+        replace(s, template=template), CONFIG, attempt=0, rank=0, replicas=1,
+        master_addr=None, resume_step=None,
+    )  # fmt: skip
+    assert env_of(trainer(pod))["PET_SHUTDOWN_TIMEOUT"] == "120"
+    # A value the user set is theirs.
+    containers = [dict(c) for c in template["spec"]["containers"]]
+    containers[0]["env"] = [{"name": "PET_SHUTDOWN_TIMEOUT", "value": "5"}]
+    template["spec"] = {**template["spec"], "containers": containers}
+    pod = manifests.pod_manifest(
+        replace(s, template=template), CONFIG, attempt=0, rank=0, replicas=1,
+        master_addr=None, resume_step=None,
+    )  # fmt: skip
+    env = trainer(pod)["env"]
+    assert [e["value"] for e in env if e["name"] == "PET_SHUTDOWN_TIMEOUT"] == ["5"]
+
+
+def test_one_process_per_pod_keeps_rank_and_also_suits_torchrun() -> None:
+    env = env_of(trainer(build(rank=1)))
+    assert (env["RANK"], env["LOCAL_RANK"]) == ("1", "0")
+    assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("2", "1", "1")
 
 
 def test_names_labels_and_owner() -> None:
