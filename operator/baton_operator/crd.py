@@ -19,6 +19,7 @@ from typing import Any, Final
 from . import podpolicy
 
 __all__ = [
+    "GPU_RESOURCE",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -42,6 +43,13 @@ PHASES: Final = ("Pending", "Running", "Checkpointing", "Restarting", "Succeeded
 _MAX_CONTAINERS: Final = 64
 _MAX_NAME: Final = 253
 _MAX_URI: Final = 2048
+_MAX_RESOURCES: Final = 64
+_MAX_QUANTITY: Final = 64
+_MAX_PROCS: Final = 64
+"""procsPerReplica's ceiling: a GPU node has 8 or 16 GPUs, one process each; more processes
+than this in one pod is a typo (1000 was once accepted and "succeeded" with one process)."""
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+_GPU_Q: Final = f"'{GPU_RESOURCE}'"
 
 
 def _int(
@@ -77,12 +85,40 @@ def _immutable_rule(field: str) -> dict[str, Any]:
 
 
 def _spec_schema() -> dict[str, Any]:
+    def quantities(description: str) -> dict[str, Any]:
+        # A fresh dict per use: shared ones would become YAML anchors in the generated files.
+        return {
+            "type": "object",
+            "description": description,
+            "maxProperties": _MAX_RESOURCES,
+            # maxLength keeps the estimated cost of the GPU rule in budget (strings are
+            # otherwise unbounded).
+            "additionalProperties": {
+                "x-kubernetes-int-or-string": True,
+                "maxLength": _MAX_QUANTITY,
+            },
+        }
+
     container = {
         "type": "object",
         "description": "A container of the pod template (core/v1 Container).",
         "x-kubernetes-preserve-unknown-fields": True,
         "required": ["name"],
-        "properties": {"name": _str("The container name.", maxLength=_MAX_NAME)},
+        "properties": {
+            "name": _str("The container name.", maxLength=_MAX_NAME),
+            "resources": {
+                "type": "object",
+                "description": (
+                    "core/v1 ResourceRequirements. Quantities may be integers or strings "
+                    f"(`{GPU_RESOURCE}: 8`); they reach the API server as written."
+                ),
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {
+                    "limits": quantities("Resource limits."),
+                    "requests": quantities("Resource requests."),
+                },
+            },
+        },
     }
     template = {
         "type": "object",
@@ -195,7 +231,10 @@ def _spec_schema() -> dict[str, Any]:
                 "Pods; WORLD_SIZE = replicas * procsPerReplica. Immutable once started."
             ),
             "procsPerReplica": _int(
-                "Training processes per pod (LOCAL_WORLD_SIZE). Immutable once started.",
+                "Training processes per pod (LOCAL_WORLD_SIZE), started by a launcher such as "
+                "`torchrun` (the operator sets its PET_* variables). At most "
+                f"{_MAX_PROCS}, and at most the trainer's `{GPU_RESOURCE}` limit when it has "
+                "one. Immutable once started.",
                 minimum=1,
                 default=1,
             ),
@@ -221,6 +260,33 @@ def _spec_schema() -> dict[str, Any]:
                 "rule": "self.replicas >= 1",
                 "message": "spec.replicas must be at least 1",
                 "fieldPath": ".replicas",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": f"!has(self.procsPerReplica) || self.procsPerReplica <= {_MAX_PROCS}",
+                "message": (
+                    f"spec.procsPerReplica must be at most {_MAX_PROCS} (processes per pod; "
+                    "WORLD_SIZE = replicas * procsPerReplica): use more replicas instead"
+                ),
+                "fieldPath": ".procsPerReplica",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                # One process per GPU: more would put two ranks on one device (NCCL refuses
+                # that). 0 GPUs means a CPU job. [x].all(g, ...) binds the parsed quantity.
+                "rule": (
+                    "!has(self.procsPerReplica) || self.template.spec.containers.all(c, "
+                    "c.name != 'trainer' || !has(c.resources) || !has(c.resources.limits) || "
+                    f"!({_GPU_Q} in c.resources.limits) || "
+                    f"[int(string(c.resources.limits[{_GPU_Q}]))].all(g, "
+                    "g == 0 || g >= self.procsPerReplica))"
+                ),
+                "message": (
+                    "spec.procsPerReplica must not exceed the trainer container's "
+                    f"resources.limits[{GPU_RESOURCE}] (one process per GPU): lower "
+                    "spec.procsPerReplica or request more GPUs"
+                ),
+                "fieldPath": ".procsPerReplica",
                 "reason": "FieldValueInvalid",
             },
             {

@@ -31,6 +31,14 @@ def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any
     return out
 
 
+def _gpus(job: dict[str, Any], *, procs: int, gpus: int | str, name: str = "trainer") -> None:
+    job["spec"]["procsPerReplica"] = procs
+    job["spec"]["template"]["spec"]["containers"] = [
+        {"name": "logger" if name == "trainer" else "trainer", "image": "x"},
+        {"name": name, "image": "x", "resources": {"limits": {"nvidia.com/gpu": gpus}}},
+    ]
+
+
 def valid_job() -> dict[str, Any]:
     return {
         "apiVersion": "baton.dev/v1alpha1",
@@ -100,6 +108,9 @@ def test_a_valid_job_passes_every_rule() -> None:
             lambda j: j["spec"]["template"]["spec"].update(containers=[{"name": "main"}]),
             "spec.template.spec.containers",
         ),
+        (lambda j: j["spec"].update(procsPerReplica=1000), "spec.procsPerReplica"),
+        (lambda j: _gpus(j, procs=8, gpus=4), "spec.procsPerReplica"),
+        (lambda j: _gpus(j, procs=8, gpus="4"), "spec.procsPerReplica"),
     ],
 )
 def test_each_rule_refuses_its_invalid_value_naming_the_field(mutate: Any, field: str) -> None:
@@ -108,6 +119,36 @@ def test_each_rule_refuses_its_invalid_value_naming_the_field(mutate: Any, field
     messages = _violations(job)
     assert len(messages) == 1, messages
     assert messages[0].startswith(field)
+
+
+@pytest.mark.parametrize(
+    ("procs", "gpus", "name"),
+    [
+        (8, 8, "trainer"),  # the usual 8-GPU pod
+        (8, "8", "trainer"),  # quoted quantities too
+        (2, 8, "trainer"),  # fewer processes than GPUs (model parallel inside a process)
+        (64, 0, "trainer"),  # 0 GPUs: a CPU job
+        (8, 1, "helper"),  # only the trainer's GPUs count
+    ],
+)
+def test_procs_per_replica_within_the_gpus_is_accepted(
+    procs: int, gpus: int | str, name: str
+) -> None:
+    job = valid_job()
+    _gpus(job, procs=procs, gpus=gpus, name=name)
+    assert _violations(job) == []
+
+
+def test_procs_per_replica_messages_name_the_field_and_the_fix() -> None:
+    job = valid_job()
+    _gpus(job, procs=8, gpus=2)
+    (message,) = _violations(job)
+    assert "resources.limits[nvidia.com/gpu]" in message
+    assert "lower spec.procsPerReplica or request more GPUs" in message
+    job = valid_job()
+    job["spec"]["procsPerReplica"] = 65
+    (message,) = _violations(job)
+    assert "at most 64" in message
 
 
 @pytest.mark.parametrize("uri", ["s3://b/p", "file:///data/ckpt", "/data/ckpt"])
@@ -157,7 +198,7 @@ def test_every_rule_has_a_message_and_a_field_path() -> None:
     policy = [r for _, r in rules if r["message"].endswith("(docs/operator.md, Security policy)")]
     assert len(policy) == 14
     rules = [(p, r) for p, r in rules if r not in policy]
-    assert len(rules) == 9  # 3 immutability + 2 spec + 1 template + 3 checkpoint
+    assert len(rules) == 11  # 3 immutability + 4 spec + 1 template + 3 checkpoint
     for path, rule in rules:
         assert rule["message"], f"rule at {path} has no message"
         assert rule["fieldPath"].startswith("."), f"rule at {path} has no fieldPath"
