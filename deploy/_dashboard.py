@@ -197,8 +197,8 @@ _PANELS: Final[tuple[_Panel, ...]] = (
     _Panel(
         title="Checkpoint phases (p95)",
         description=(
-            "Where save time goes: stage (copy to host buffers, the only part that blocks "
-            "training), write, upload, commit."
+            "Where save time goes, per rank: drain (an async save in flight, before an "
+            "emergency save), flatten, plan, write, hash (overlaps write), commit."
         ),
         targets=_quantiles("baton_checkpoint_phase_seconds", "phase", (0.95,), "{{phase}}"),
         unit="s",

@@ -55,6 +55,7 @@ from trainer_sdk._safetensors_io import (
 )
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk._version import __version__ as _baton_version
+from trainer_sdk.control import SavePhase, Trigger
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -148,7 +149,7 @@ class SaveInfo:
     seconds: float
     """Wall time of the save on this rank."""
     phases: dict[str, float]
-    """Seconds per phase on this rank: flatten, plan, write, commit (hash overlaps write)."""
+    """Seconds per phase on this rank, keyed by :class:`~trainer_sdk.control.SavePhase` values."""
     files: int
     """Number of files in the step (shards and JSON files, without the manifest)."""
     trigger: str
@@ -562,7 +563,7 @@ def commit(
     record: RankRecord | BaseException,
     *,
     step: int,
-    trigger: str = "periodic",
+    trigger: str = Trigger.PERIODIC,
     process_group: Any = None,
     timeout: float = 600.0,
     block_size: int = BLOCK_SIZE,
@@ -699,7 +700,7 @@ def save(
     uri: Location,
     *,
     step: int,
-    trigger: str = "periodic",
+    trigger: str = Trigger.PERIODIC,
     process_group: Any = None,
     timeout: float = 600.0,
     attempt: int | None = None,
@@ -725,10 +726,10 @@ def save(
     try:
         t = time.perf_counter()
         flat = flatten(state, process_group=process_group)
-        phases["flatten"] = time.perf_counter() - t
+        phases[SavePhase.FLATTEN] = time.perf_counter() - t
         t = time.perf_counter()
         plan = plan_save(flat, rank, world)
-        phases["plan"] = time.perf_counter() - t
+        phases[SavePhase.PLAN] = time.perf_counter() - t
     except Exception as exc:
         if world == 1:
             raise
@@ -777,8 +778,8 @@ def write_and_commit(
         try:
             check_writable(storage, step, attempt)
             record = write_rank(storage, plan, tensors, json_tree, step=step, flat=flat)
-            phases["write"] = time.perf_counter() - t
-            phases["hash"] = record.hash_seconds
+            phases[SavePhase.WRITE] = time.perf_counter() - t
+            phases[SavePhase.HASH] = record.hash_seconds
         except Exception as exc:
             if group_rank_world(process_group)[1] == 1:
                 raise
@@ -793,7 +794,7 @@ def write_and_commit(
         if isinstance(record, BaseException):
             raise e from record
         raise
-    phases["commit"] = time.perf_counter() - t
+    phases[SavePhase.COMMIT] = time.perf_counter() - t
     return SaveInfo(
         step=step,
         uri=storage.uri,

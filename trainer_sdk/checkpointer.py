@@ -42,7 +42,14 @@ from trainer_sdk import _ddp, api, rng
 from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._types import RankLocal, Stateful
-from trainer_sdk.control import ControlChannel, State, Status
+from trainer_sdk.control import (
+    ROUTINE_TRIGGERS,
+    ControlChannel,
+    SavePhase,
+    State,
+    Status,
+    Trigger,
+)
 from trainer_sdk.errors import (
     BatonError,
     CheckpointError,
@@ -71,8 +78,6 @@ log = logging.getLogger("trainer_sdk.checkpointer")
 
 _DEFAULT_URI: Final = "./checkpoints"
 _HEARTBEAT_EVERY_S: Final = 5.0
-_ROUTINE_TRIGGERS: Final = frozenset({"periodic", "manual"})
-"""Saves made by policy or by an explicit ``save()``, not for a notice."""
 _NO_STEP: Final = 10**12  # above every valid step number
 
 # Load verdicts, ordered so that the maximum over the ranks is the worst.
@@ -434,7 +439,7 @@ class Checkpointer:
             self.config.every_steps is not None and step % self.config.every_steps == 0
         ) or (agreement is not None and agreement.periodic_due)
         if periodic and step != self._last_saved_step:
-            self._save(step, trigger="periodic", background=self.config.async_save)
+            self._save(step, trigger=Trigger.PERIODIC, background=self.config.async_save)
         if overlap:
             # Last, after any save: what this rank knows now goes to every rank during the
             # next step, and every rank acts on it at the next boundary.
@@ -448,7 +453,7 @@ class Checkpointer:
             )
         return False
 
-    def save(self, step: int, *, trigger: str = "manual") -> None:
+    def save(self, step: int, *, trigger: str = Trigger.MANUAL) -> None:
         """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
         self._check_open()
         self._save(step, trigger=trigger, background=False)
@@ -688,7 +693,7 @@ class Checkpointer:
                     type(e).__name__,
                     e,
                 )
-        if info.trigger in _ROUTINE_TRIGGERS:
+        if info.trigger in ROUTINE_TRIGGERS:
             # A routine save is a finished save too: the sidecar's duration, phase and bytes
             # metrics (and the dashboards built on them) come from this status. No request
             # id, so neither the sidecar nor the operator takes it for a served notice.
@@ -816,7 +821,7 @@ class Checkpointer:
             drain_s = time.perf_counter() - notice_t
             if step == self._last_committed:
                 # Already committed at this very step (a periodic save just before): done.
-                self._finish_notice(local, step, notice_t, {"drain": drain_s}, None)
+                self._finish_notice(local, step, notice_t, {SavePhase.DRAIN: drain_s}, None)
                 return self._after_notice(step, bg_error)
             t = time.perf_counter()
             prepared = self._prepare(step)
@@ -847,14 +852,14 @@ class Checkpointer:
                         state=State.SKIPPED,
                         error=reason,
                         seconds=time.perf_counter() - notice_t,
-                        phases={"drain": drain_s, "plan": plan_s},
+                        phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
                     )
                     self._board.served(local)
                     return self._after_notice(step, bg_error)
             self._update_status(state=State.SAVING)
             info = self._save(step, trigger=trigger, background=False, prepared=prepared)
             assert info is not None
-            phases = {"drain": drain_s, "plan": plan_s, **info.phases}
+            phases = {SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s, **info.phases}
             self._finish_notice(local, step, notice_t, phases, info.bytes)
         except BaseException as e:
             self._update_status(state=State.FAILED, error=f"{type(e).__name__}: {e}")

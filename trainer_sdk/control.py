@@ -71,14 +71,17 @@ __all__ = [
     "EXIT_STOPPED_AFTER_NOTICE",
     "LOCK_FILE",
     "REQUEST_FILE",
+    "ROUTINE_TRIGGERS",
     "STATUS_FILE",
     "ControlChannel",
     "ControlError",
     "ControlFormatError",
     "Liveness",
     "Request",
+    "SavePhase",
     "State",
     "Status",
+    "Trigger",
     "aggregate",
     "format_rfc3339",
     "local_status_file",
@@ -133,6 +136,52 @@ class State(enum.StrEnum):
     """The last save failed; ``error`` says why."""
     SKIPPED = "skipped"
     """The SDK declined the request (for example, the deadline left too little time)."""
+
+
+class Trigger(enum.StrEnum):
+    """What caused a save, as the SDK writes it in the manifest and in ``status.json``.
+
+    These are the triggers the SDK itself produces. ``trainer_sdk.save(trigger=...)`` and
+    ``Checkpointer.save(trigger=...)`` also accept a caller's own word (the manifest keeps it);
+    the sidecar's metrics count such saves under ``other``.
+    """
+
+    PERIODIC = "periodic"
+    """A save by the Checkpointer's policy (every N steps or seconds), or the integrations'."""
+    MANUAL = "manual"
+    """An explicit ``Checkpointer.save()`` (for example the final save of a run)."""
+    NOTICE = "notice"
+    """An emergency save for a notice: a request from the sidecar or the API, maybe with a
+    SIGTERM as well."""
+    SIGNAL = "signal"
+    """An emergency save for a SIGTERM alone (no request, no API notice)."""
+
+
+ROUTINE_TRIGGERS: Final = frozenset({Trigger.PERIODIC, Trigger.MANUAL})
+"""Saves made by policy or by an explicit save(): they answer no request."""
+
+
+class SavePhase(enum.StrEnum):
+    """The phases a save reports in ``status.json`` (``phases``: seconds per phase, this rank).
+
+    A save reports the phases it went through: ``trainer_sdk.save`` flatten, plan, write,
+    hash, commit; a Checkpointer's periodic save write, hash, commit (it flattens and plans
+    before the step is staged); an emergency save drain, plan, write, hash, commit.
+    """
+
+    DRAIN = "drain"
+    """Waiting for an async save in flight to finish (emergency saves only)."""
+    FLATTEN = "flatten"
+    """Taking the state dict apart into tensors and a JSON tree."""
+    PLAN = "plan"
+    """Deciding which rank writes what (for an emergency save: also the time estimate and the
+    ranks' agreement on it)."""
+    WRITE = "write"
+    """Writing this rank's files."""
+    HASH = "hash"
+    """Hashing this rank's shards; it overlaps ``write`` (not added to it)."""
+    COMMIT = "commit"
+    """Gathering every rank's record and writing the manifest."""
 
 
 class Liveness(enum.StrEnum):
@@ -265,11 +314,11 @@ class Status:
     error: str | None = None
     """Why the last save failed or was skipped."""
     trigger: str | None = None
-    """What caused the last save: ``periodic``, ``notice``, ``signal``, ``final``, ..."""
+    """What caused the last save: a :class:`Trigger` value (or a caller's own word)."""
     deadline: datetime | None = None
     """The deadline of the request being served, if it had one."""
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds per phase of the last save: ``stage``, ``write``, ``upload``, ``commit``."""
+    """Seconds per phase of the last save, keyed by :class:`SavePhase` values."""
     bytes: int | None = None
     """Bytes the last save wrote (all ranks together, as far as rank 0 knows)."""
     last_committed_step: int | None = None

@@ -41,7 +41,7 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from trainer_sdk.control import ControlChannel, ControlError, Request, parse_rfc3339
+from trainer_sdk.control import ControlChannel, ControlError, Request, Trigger, parse_rfc3339
 
 __all__ = [
     "Agreement",
@@ -117,9 +117,9 @@ class Agreement:
         return bool(self.sources)
 
     @property
-    def trigger(self) -> str:
+    def trigger(self) -> Trigger:
         """The checkpoint trigger recorded in the manifest and status: ``signal`` or ``notice``."""
-        return "signal" if self.sources == {"signal"} else "notice"
+        return Trigger.SIGNAL if self.sources == {"signal"} else Trigger.NOTICE
 
 
 def agree(local: LocalNotice, *, rank: int, group: Any | None) -> Agreement:

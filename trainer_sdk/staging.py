@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import api
+from trainer_sdk.control import Trigger
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.storage import Location, Storage, open_storage
 
@@ -305,7 +306,7 @@ def async_save(
     uri: Location,
     *,
     step: int,
-    trigger: str = "manual",
+    trigger: str = Trigger.MANUAL,
     timeout: float = 600.0,
 ) -> AsyncSaveHandle[api.SaveInfo]:
     """Save ``state`` as ``step`` under ``uri`` in the background; returns once staged.

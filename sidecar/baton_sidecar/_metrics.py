@@ -19,15 +19,15 @@ from prometheus_client import (
     generate_latest,
 )
 
-from trainer_sdk.control import State, Status
+from trainer_sdk.control import ROUTINE_TRIGGERS, SavePhase, State, Status, Trigger
 
 __all__ = ["NOTICE_SOURCES", "PHASES", "TRIGGERS", "SidecarMetrics"]
 
 NOTICE_SOURCES: Final = ("operator", "aws", "gce", "azure")
-PHASES: Final = ("drain", "plan", "stage", "write", "upload", "commit")
-TRIGGERS: Final = ("periodic", "notice", "signal", "request", "final", "manual")
-ROUTINE_TRIGGERS: Final = ("periodic", "manual")
-"""Saves the SDK makes by policy or on an explicit save(): they answer no request."""
+PHASES: Final = tuple(p.value for p in SavePhase)
+"""Exactly the phases the SDK reports (its own vocabulary, so the two cannot drift)."""
+TRIGGERS: Final = tuple(t.value for t in Trigger)
+"""Exactly the triggers the SDK produces; a caller's own trigger word is counted as ``other``."""
 RESULTS: Final = (State.COMMITTED.value, State.FAILED.value, State.SKIPPED.value)
 
 # Saves take from well under a second (small models, local disk) to many minutes (large
@@ -53,7 +53,7 @@ class SidecarMetrics:
         )
         self.phase_seconds = Histogram(
             "baton_checkpoint_phase_seconds",
-            "Save time per phase (drain, plan, stage, write, upload, commit), as the SDK reported.",
+            f"Save time per phase ({', '.join(PHASES)}), as the SDK reported.",
             ["phase"],
             buckets=_SECONDS_BUCKETS,
             registry=r,

@@ -150,7 +150,7 @@ def _report_saves(
                 seconds=seconds + 0.1 * rank_offset,
                 trigger=trigger,
                 deadline=None if margin is None else now + timedelta(seconds=margin),
-                phases={"stage": 0.2, "write": seconds - 0.4, "commit": 0.2},
+                phases={"plan": 0.2, "write": seconds - 0.4, "commit": 0.2},
                 bytes=256 * 2**20,
                 last_committed_step=step,
                 updated=now,

@@ -232,7 +232,7 @@ def test_status_reports_the_sdk_status_and_trainer_liveness(
         seconds=3.25,
         trigger="notice",
         deadline=now + timedelta(seconds=30),
-        phases={"stage": 0.5, "write": 2.0, "commit": 0.75},
+        phases={"plan": 0.5, "write": 2.0, "commit": 0.75},
         bytes=123456,
         last_committed_step=1200,
         updated=now,

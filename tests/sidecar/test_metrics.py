@@ -57,7 +57,7 @@ def test_metrics_follow_a_committed_save(sidecar: SidecarProcess) -> None:
             seconds=2.5,
             trigger="notice",
             deadline=request.deadline,
-            phases={"stage": 0.25, "write": 1.5, "upload": 0.5, "commit": 0.25, "bogus": 9.0},
+            phases={"drain": 0.25, "write": 1.5, "hash": 0.5, "commit": 0.25, "bogus": 9.0},
             bytes=1_000_000,
             last_committed_step=42,
             updated=committed_at,
@@ -74,7 +74,7 @@ def test_metrics_follow_a_committed_save(sidecar: SidecarProcess) -> None:
 
     assert v("baton_checkpoint_seconds_count", trigger="notice") == 1.0
     assert v("baton_checkpoint_seconds_sum", trigger="notice") == 2.5
-    phases = {"stage": 0.25, "write": 1.5, "upload": 0.5, "commit": 0.25}
+    phases = {"drain": 0.25, "write": 1.5, "hash": 0.5, "commit": 0.25}
     for phase, seconds in phases.items():
         assert v("baton_checkpoint_phase_seconds_count", phase=phase) == 1.0
         assert v("baton_checkpoint_phase_seconds_sum", phase=phase) == seconds

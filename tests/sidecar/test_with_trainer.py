@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from baton_testing.fake_clouds import FakeAws, FakeAzure, FakeGce
 from baton_testing.sidecar_process import SidecarProcess, wait_for
-from baton_testing.trainer import EXIT_STOPPED, TrainerRun, launch
+from baton_testing.trainer import TrainerRun, launch
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
 from trainer_sdk.control import format_rfc3339, parse_rfc3339, utcnow
 
 pytestmark = pytest.mark.e2e
@@ -92,7 +93,7 @@ def _wait_committed(sc: SidecarProcess, run: TrainerRun, timeout: float = 120) -
 
 
 def _check_stopped_at(run: TrainerRun, tmp_path: Path, step: int) -> None:
-    assert run.wait(120) == [EXIT_STOPPED, EXIT_STOPPED], run.output()
+    assert run.wait(120) == [EXIT_STOPPED_AFTER_NOTICE] * 2, run.output()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["stopped"] is True
     assert result["step"] == step
@@ -137,6 +138,11 @@ def test_operator_request_leads_to_a_committed_step(
     assert _metric(sc, "baton_checkpoint_seconds_count", trigger="notice") == 1.0
     assert _metric(sc, "baton_checkpoint_bytes_total") > 0
     assert _metric(sc, "baton_checkpoint_phase_seconds_count", phase="write") == 1.0
+    # Every phase the real SDK reported is a metric: the two sides share one vocabulary.
+    reported = statuses[0]["phases"]
+    assert set(reported) == {"drain", "plan", "write", "hash", "commit"}, reported
+    for phase in reported:
+        assert _metric(sc, "baton_checkpoint_phase_seconds_count", phase=phase) == 1.0, phase
     assert _metric(sc, "baton_checkpoint_deadline_margin_seconds_count") == 1.0
     assert _metric(sc, "baton_notices_total", source="operator") == 1.0
     # The trainer has exited; its heartbeat stops and the request file is gone.
