@@ -37,9 +37,6 @@ from torch.utils.data import DataLoader, Dataset
 
 import trainer_sdk
 
-EXIT_STOPPED = 75
-"""Exit code after a checkpoint on notice (``EX_TEMPFAIL``), as the operator expects."""
-
 # --------------------------------------------------------------------------- data
 
 
@@ -298,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     # EX_TEMPFAIL after an emergency save: the operator then knows this rank stopped for a
     # notice and will resume it, rather than count it as finished (docs/contracts.md).
-    return EXIT_STOPPED if stopped_early else 0
+    return trainer_sdk.EXIT_STOPPED_AFTER_NOTICE if stopped_early else 0
 
 
 if __name__ == "__main__":

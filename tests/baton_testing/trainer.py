@@ -36,7 +36,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
+
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
 
 __all__ = ["TrainerRun", "launch", "main", "read_loss_log", "run"]
 
@@ -45,11 +47,6 @@ _REPO_DIR = str(Path(_TESTS_DIR).parent)
 
 
 # ---- the script --------------------------------------------------------------------------
-
-
-EXIT_STOPPED: Final = 75
-"""Exit code after an emergency save (``EX_TEMPFAIL``), as docs/contracts.md asks; the same
-value as ``trainer_sdk.EXIT_STOPPED_AFTER_NOTICE`` (this module imports nothing at the top)."""
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -287,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
     # docs/contracts.md: a rank that stopped after an emergency save exits EX_TEMPFAIL, so the
     # operator never mistakes it for a finished (or failed) rank.
-    return EXIT_STOPPED if stopped else 0
+    return EXIT_STOPPED_AFTER_NOTICE if stopped else 0
 
 
 # ---- launching it from tests -------------------------------------------------------------

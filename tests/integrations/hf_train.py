@@ -33,6 +33,7 @@ from transformers import (
     default_data_collator,
 )
 
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
 from trainer_sdk.integrations.transformers import BatonTrainer
 
 SAMPLES = 44  # 11 batches of 2 per rank on 2 ranks: 6 optimizer steps per epoch, the last short
@@ -128,7 +129,7 @@ def main() -> int:
     trainer.test_out = out
     trainer.train()
     if trainer.preempted:
-        return 75
+        return EXIT_STOPPED_AFTER_NOTICE
     if rank == 0:
         final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
         opt = trainer.optimizer.optimizer.state_dict()

@@ -14,7 +14,7 @@ from baton_testing import exactness, trainer
 from baton_testing.exactness import WORLD, check_exact, wait_for_step
 from baton_testing.exactness import args as _args
 
-from trainer_sdk import api
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE, api
 from trainer_sdk.control import ControlChannel, State
 from trainer_sdk.layout import MANIFEST, step_dir
 
@@ -29,7 +29,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _stopped_step(tmp: Path, run: trainer.TrainerRun) -> int:
     codes = run.wait(exactness.RUN_TIMEOUT)
-    assert codes == [trainer.EXIT_STOPPED] * WORLD, run.output()
+    assert codes == [EXIT_STOPPED_AFTER_NOTICE] * WORLD, run.output()
     result = json.loads((tmp / "result.json").read_text())
     assert result["stopped"] is True
     step = int(result["step"])

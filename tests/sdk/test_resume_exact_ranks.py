@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from baton_testing import exactness, trainer
 
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
+
 # Real trainer processes, 3-4 ranks on 2 shared cores: minutes per shape.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -77,7 +79,7 @@ def test_sigterm_to_one_rank_resumes_bitwise_exact(
     exactness.wait_for_step(tmp_path, target, run)
     run.signal(world - 1, signal.SIGTERM)  # the notice reaches one rank only
     codes = run.wait(exactness.RUN_TIMEOUT)
-    assert codes == [trainer.EXIT_STOPPED] * world, run.output()
+    assert codes == [EXIT_STOPPED_AFTER_NOTICE] * world, run.output()
     stopped = json.loads((tmp_path / "result.json").read_text())
     assert stopped["stopped"], stopped
     assert target <= stopped["step"] < exactness.STEPS, stopped

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 from baton_testing.sidecar_process import SidecarProcess, wait_for
-from baton_testing.trainer import EXIT_STOPPED, launch
+from baton_testing.trainer import launch
 
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
 from trainer_sdk.control import (
     ControlChannel,
     ControlFormatError,
@@ -170,7 +171,7 @@ def test_two_pods_of_two_processes_commit_together(
         r = pods[1].post_checkpoint({"deadline": deadline, "reason": "spot interruption"})
         assert r.status_code == 202, r.text
         request_id = r.json()["id"]
-        assert run.wait(300) == [EXIT_STOPPED] * 4, run.output()
+        assert run.wait(300) == [EXIT_STOPPED_AFTER_NOTICE] * 4, run.output()
     finally:
         run.kill_all()
     result = json.loads((tmp_path / "result.json").read_text())
