@@ -27,6 +27,7 @@ from .model import JobSpec, LastCheckpoint
 from .notices import Notice, earliest, node_notices, parse_time, pod_notice
 from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient, SidecarStatus
+from .vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 
 __all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
 
@@ -148,8 +149,8 @@ class JobMemory:
         r = self.reports.get(rank)
         return (
             r is not None
-            and r.state == "committed"
-            and (r.trigger in ("notice", "signal") or bool(r.request_id))
+            and r.state == SaveState.COMMITTED
+            and (r.trigger in EMERGENCY_TRIGGERS or bool(r.request_id))
         )
 
     def served_notice(self, rank: int) -> bool:
@@ -157,8 +158,8 @@ class JobMemory:
         r = self.reports.get(rank)
         return (
             r is not None
-            and r.state in ("committed", "skipped")
-            and (r.trigger in ("notice", "signal") or bool(r.request_id))
+            and r.state in (SaveState.COMMITTED, SaveState.SKIPPED)
+            and (r.trigger in EMERGENCY_TRIGGERS or bool(r.request_id))
         )
 
 
@@ -210,11 +211,11 @@ def _answers(report: SidecarStatus, request_id: str) -> bool:
     Our request's id, or an emergency save (a signal or another notice: the SDK serves all
     pending notices with one save). A periodic save's report is never the answer.
     """
-    if report.state in ("idle", "requested"):
+    if report.state in (SaveState.IDLE, SaveState.REQUESTED):
         return False
     if request_id and report.request_id == request_id:
         return True
-    return report.trigger in ("notice", "signal")
+    return report.trigger in EMERGENCY_TRIGGERS
 
 
 def _trainer_state(pod: Mapping[str, Any]) -> tuple[bool, int | None]:
@@ -910,7 +911,7 @@ class Reconciler:
             checkpoint = LastCheckpoint(
                 step=verdict.step,
                 uri=verdict.uri or spec.checkpoint_uri,
-                trigger="notice",
+                trigger=Trigger.NOTICE.value,
                 completed_at=_iso(now),
                 seconds=verdict.seconds,
             )
@@ -944,7 +945,10 @@ class Reconciler:
         extra: dict[str, Any] = {}
         if best is not None and (last is None or best > last.step):
             extra["lastCheckpoint"] = LastCheckpoint(
-                step=best, uri=spec.checkpoint_uri, trigger="periodic", completed_at=_iso(now)
+                step=best,
+                uri=spec.checkpoint_uri,
+                trigger=Trigger.PERIODIC.value,
+                completed_at=_iso(now),
             ).to_status()
         await self._restart(
             job, spec, status, kind="preemption", resume_step=best,
@@ -997,7 +1001,7 @@ class Reconciler:
         checkpoint = LastCheckpoint(
             step=best,
             uri=(source.uri if source else None) or t.spec.checkpoint_uri,
-            trigger=(source.trigger if source else None) or "periodic",
+            trigger=(source.trigger if source else None) or Trigger.PERIODIC.value,
             completed_at=_iso(t.now),
             seconds=source.seconds if source else None,
         )

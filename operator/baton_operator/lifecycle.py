@@ -28,6 +28,7 @@ from typing import Final
 from .model import JobSpec
 from .settings import EMERGENCY_EXIT_CODE
 from .sidecars import SidecarStatus
+from .vocabulary import SaveState
 
 __all__ = [
     "ALLOWED",
@@ -228,13 +229,13 @@ def checkpoint_verdict(
     gone = set(unreachable_is_final)
     for rank in range(replicas):
         report = reports.get(rank)
-        if report is not None and report.state in ("failed", "skipped"):
+        if report is not None and report.state in (SaveState.FAILED, SaveState.SKIPPED):
             detail = f": {report.error}" if report.error else ""
             return Verdict(
                 kind=VerdictKind.FALLBACK,
                 reason=f"rank {rank} reported the save {report.state}{detail}",
             )
-    committed = [r for r in reports.values() if r is not None and r.state == "committed"]
+    committed = [r for r in reports.values() if r is not None and r.state == SaveState.COMMITTED]
     steps = {r.step for r in committed}
     if len(steps) > 1 or None in steps:
         return Verdict(

@@ -15,6 +15,7 @@ from typing import Any, Final
 import aiohttp
 
 from .errors import SidecarError
+from .vocabulary import SaveState
 
 __all__ = ["MIN_LEAD", "SidecarClient", "SidecarStatus"]
 
@@ -53,7 +54,7 @@ class SidecarStatus:
 
         seconds = raw.get("seconds")
         return cls(
-            state=str(raw.get("state", "idle")),
+            state=str(raw.get("state", SaveState.IDLE)),
             step=opt_int("step"),
             uri=raw.get("uri"),
             seconds=None if seconds is None else float(seconds),
@@ -68,7 +69,7 @@ class SidecarStatus:
     def committed_step(self) -> int | None:
         """The newest committed step this status proves, if any."""
         steps = [s for s in (self.last_committed_step,) if s is not None]
-        if self.state == "committed" and self.step is not None:
+        if self.state == SaveState.COMMITTED and self.step is not None:
             steps.append(self.step)
         return max(steps) if steps else None
 

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from baton_operator.errors import SidecarError
 from baton_operator.sidecars import SidecarClient
+from baton_operator.vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 from baton_testing.fake_clouds import free_port
 from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
 
+from trainer_sdk import control
 from trainer_sdk.control import ControlChannel, State, Status
 
 
@@ -63,6 +65,37 @@ def test_request_then_status_follows_the_sdk_report(sidecar: SidecarProcess) -> 
             assert status.request_id == rid
             assert status.committed_step == 17
             assert status.trigger == "notice"
+
+    asyncio.run(scenario())
+
+
+def test_the_operators_save_vocabulary_is_the_sdks_through_the_real_sidecar(
+    sidecar: SidecarProcess,
+) -> None:
+    # The operator cannot import the SDK, so it mirrors the values it compares; they must be
+    # the SDK's exactly, value for value.
+    assert [s.value for s in SaveState] == [s.value for s in control.State]
+    assert [t.value for t in Trigger] == [t.value for t in control.Trigger]
+    assert set(control.Trigger) - control.ROUTINE_TRIGGERS == EMERGENCY_TRIGGERS
+    # And on the wire: every state and trigger the SDK writes reaches the operator's client
+    # through the real sidecar as the operator's own value.
+    channel = ControlChannel(sidecar.control_dir)
+    triggers = list(control.Trigger)
+
+    async def scenario() -> None:
+        async with SidecarClient(port=sidecar.port, timeout_seconds=5) as client:
+            for i, state in enumerate(control.State):
+                trigger = triggers[i % len(triggers)]
+                channel.write_status(Status(state=state, step=i + 1, trigger=trigger))
+                for _ in range(200):
+                    seen = await client.status("127.0.0.1", TOKEN)
+                    if seen.step == i + 1:
+                        break
+                    await asyncio.sleep(0.1)
+                assert seen.step == i + 1, f"the sidecar never relayed {state}"
+                assert SaveState(seen.state) is SaveState(state.value)
+                assert seen.trigger is not None
+                assert Trigger(seen.trigger) is Trigger(trigger.value)
 
     asyncio.run(scenario())
 
