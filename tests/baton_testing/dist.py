@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,17 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankGroup", "RankResult", "RanksFailedError", "free_port", "run_ranks", "start_ranks"]
+from baton_testing.ports import free_port
+
+__all__ = ["RankGroup", "RankResult", "RanksFailedError", "run_ranks", "start_ranks"]
 
 _TESTS_DIR = str(Path(__file__).resolve().parent.parent)
 _REPO_DIR = str(Path(_TESTS_DIR).parent)
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, kw_only=True)

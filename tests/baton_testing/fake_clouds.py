@@ -42,15 +42,7 @@ from typing import Any, Self
 
 from aiohttp import web
 
-__all__ = ["FakeAws", "FakeAzure", "FakeGce", "Recorded", "free_port"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["FakeAws", "FakeAzure", "FakeGce", "Recorded"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import yaml
 from baton_operator import __main__ as operator_main
 from baton_testing.cluster import LocalCluster, LocalClusterError
+from baton_testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "baton-test"
@@ -41,12 +41,6 @@ class OperatorInstall:
     cluster: LocalCluster
     kubeconfig: Path
     """A kubeconfig holding the operator ServiceAccount's token (not admin)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def install_operator(local_cluster: LocalCluster, workdir: Path) -> OperatorInstall:
@@ -102,7 +96,7 @@ class OperatorProcess:
     log: Path
     args: list[str]
     proc: subprocess.Popen[bytes] | None = None
-    metrics_port: int = field(default_factory=_free_port)
+    metrics_port: int = field(default_factory=free_port)
     identity: str = field(default_factory=lambda: f"op-{uuid.uuid4().hex[:6]}")
     """Its name in the Lease; kept across restart() like a pod's name across container
     restarts. Two OperatorProcess objects are two replicas."""
@@ -288,7 +282,7 @@ class Baton:
             "checkpoint": {"uri": str(out / "ckpt"), "everySteps": every_steps},
             "failurePolicy": failure_policy or {"maxFailures": 0, "backoffSeconds": 1},
             # Pods share the host's network here: a port per job keeps rendezvous apart.
-            "masterPort": _free_port(),
+            "masterPort": free_port(),
             **(extra_spec or {}),
         }
         if min_replicas is not None:
@@ -411,8 +405,14 @@ class Baton:
         return values
 
     def lease_holder(self) -> str:
-        """Who holds the operators' Lease now ("" when nobody does)."""
-        lease = self.kubectl_json("get", "lease", "baton-operator", "-n", OPERATOR_NS)
+        """Who holds the operators' Lease now ("" when nobody does, or there is none yet)."""
+        found = self.cluster.kubectl(
+            "get", "lease", "baton-operator", "-n", OPERATOR_NS, "-o", "json", check=False
+        )
+        if found.returncode != 0:
+            assert "NotFound" in found.stderr, found.stderr
+            return ""
+        lease = json.loads(found.stdout)
         return str((lease.get("spec") or {}).get("holderIdentity") or "")
 
     def delete(self, job: str) -> None:

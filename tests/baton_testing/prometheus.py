@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 import pytest
 import yaml
+from baton_testing.ports import free_port
 
 __all__ = [
     "GRAFANA_VARIABLES",
@@ -50,7 +50,6 @@ __all__ = [
     "PrometheusServer",
     "ScrapeTarget",
     "dashboard_queries",
-    "free_port",
     "prometheus_binary",
     "prometheus_server",
     "promtool_binary",
@@ -142,13 +141,6 @@ def prometheus_binary() -> str:
 def promtool_binary() -> str:
     """The path of ``promtool``."""
     return _binary("promtool")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class PrometheusServer:

@@ -33,7 +33,6 @@ import http.client
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from typing import Any, Literal
 import boto3
 import botocore.config
 import pytest
+from baton_testing.ports import free_port
 
 __all__ = [
     "SERVER_KINDS",
@@ -91,12 +91,6 @@ _ERROR_MESSAGES = {
     "NoSuchUpload": "The specified upload does not exist. The upload ID may be invalid, or the "
     "upload may have been aborted or completed.",
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def versitygw_binary() -> str:
@@ -142,7 +136,7 @@ class S3Server:
     def start(self, timeout: float = 60.0) -> None:
         # Another process may take the port between probing and binding; retry a few times.
         for _ in range(5):
-            self.port = _free_port()
+            self.port = free_port()
             self.proc = subprocess.Popen(
                 self._command(),
                 env=self._env(),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from baton_testing.fake_clouds import free_port
+from baton_testing.ports import free_port
 
 SIDECAR_BIN = Path(sys.executable).parent / "baton-sidecar"
 TOKEN = "tok-3f9a1c-do-not-log-me"

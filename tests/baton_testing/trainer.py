@@ -346,7 +346,7 @@ def launch(
     """
     if procs_per_pod < 1 or world_size % procs_per_pod:
         raise ValueError(f"procs_per_pod={procs_per_pod} must divide world_size={world_size}")
-    from baton_testing.dist import free_port
+    from baton_testing.ports import free_port
 
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -28,11 +28,11 @@ import pytest
 import requests
 from baton_operator.metrics import Metrics, serve
 from baton_testing import prometheus
+from baton_testing.ports import free_port
 from baton_testing.prometheus import (
     PrometheusError,
     PrometheusServer,
     ScrapeTarget,
-    free_port,
     substitute,
 )
 from baton_testing.sidecar_process import SidecarProcess

@@ -11,7 +11,7 @@ import pytest
 from baton_operator.errors import SidecarError
 from baton_operator.sidecars import SidecarClient
 from baton_operator.vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
-from baton_testing.fake_clouds import free_port
+from baton_testing.ports import free_port
 from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
 
 from trainer_sdk import control

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
-from baton_testing.fake_clouds import FakeAws, FakeAzure, FakeGce, free_port
+from baton_testing.fake_clouds import FakeAws, FakeAzure, FakeGce
+from baton_testing.ports import free_port
 from baton_testing.sidecar_process import SidecarProcess, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 

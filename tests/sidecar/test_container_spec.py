@@ -13,8 +13,8 @@ from typing import Any
 
 import requests
 import yaml
-from baton_testing.fake_clouds import free_port
 from baton_testing.podsecurity import restricted_violations
+from baton_testing.ports import free_port
 from baton_testing.sidecar_process import SidecarProcess
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sidecar.md"

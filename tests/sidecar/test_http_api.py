@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from baton_testing.fake_clouds import free_port
+from baton_testing.ports import free_port
 from baton_testing.sidecar_process import SIDECAR_BIN, TOKEN, SidecarProcess, wait_for
 
 from trainer_sdk.control import (
