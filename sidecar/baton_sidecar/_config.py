@@ -12,9 +12,11 @@ import enum
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from baton_sidecar._errors import ConfigError
+
+_N = TypeVar("_N", int, float)
 
 __all__ = [
     "DEFAULT_AWS_ENDPOINT",
@@ -130,7 +132,7 @@ def parse_config(
     )
     parser.add_argument("--host", default=env.get("POD_IP") or "0.0.0.0")  # noqa: S104
     parser.add_argument(
-        "--port", type=int, default=_int_env(env, "BATON_SIDECAR_PORT", DEFAULT_PORT)
+        "--port", type=int, default=_env_number(env, "BATON_SIDECAR_PORT", DEFAULT_PORT)
     )
     parser.add_argument(
         "--token-file", default=env.get("BATON_SIDECAR_TOKEN_FILE", DEFAULT_TOKEN_FILE)
@@ -144,13 +146,13 @@ def parse_config(
     parser.add_argument(
         "--silent-after",
         type=float,
-        default=_float_env(env, "BATON_SIDECAR_SILENT_AFTER", 60.0),
+        default=_env_number(env, "BATON_SIDECAR_SILENT_AFTER", 60.0),
         help="seconds without a trainer heartbeat before it counts as silent",
     )
     parser.add_argument(
         "--absent-after",
         type=float,
-        default=_float_env(env, "BATON_SIDECAR_ABSENT_AFTER", 300.0),
+        default=_env_number(env, "BATON_SIDECAR_ABSENT_AFTER", 300.0),
         help="seconds without a trainer heartbeat before it counts as absent",
     )
     parser.add_argument(
@@ -175,35 +177,27 @@ def parse_config(
         silent_after=args.silent_after,
         absent_after=args.absent_after,
         log_level=str(args.log_level).upper(),
-        aws_interval=_float_env(env, "BATON_SIDECAR_AWS_INTERVAL", 5.0),
-        azure_interval=_float_env(env, "BATON_SIDECAR_AZURE_INTERVAL", 1.0),
-        gce_wait_seconds=int(_float_env(env, "BATON_SIDECAR_GCE_WAIT", 60)),
-        request_timeout=_float_env(env, "BATON_SIDECAR_METADATA_TIMEOUT", 5.0),
-        status_interval=_float_env(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
-        backoff_max=_float_env(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
-        linger_seconds=_float_env(env, "BATON_SIDECAR_LINGER", 5.0),
+        aws_interval=_env_number(env, "BATON_SIDECAR_AWS_INTERVAL", 5.0),
+        azure_interval=_env_number(env, "BATON_SIDECAR_AZURE_INTERVAL", 1.0),
+        gce_wait_seconds=int(_env_number(env, "BATON_SIDECAR_GCE_WAIT", 60.0)),
+        request_timeout=_env_number(env, "BATON_SIDECAR_METADATA_TIMEOUT", 5.0),
+        status_interval=_env_number(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
+        backoff_max=_env_number(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
+        linger_seconds=_env_number(env, "BATON_SIDECAR_LINGER", 5.0),
     )
 
 
-def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+def _env_number(env: Mapping[str, str], name: str, default: _N) -> _N:
+    """``env[name]`` parsed as the type of ``default`` (int or float); unset or empty: default."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return type(default)(raw)
     except ValueError as e:
-        raise ConfigError(
-            f"{name}={raw!r} is not an integer: set it to a number like {default}"
-        ) from e
-
-
-def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ConfigError(
-            f"{name}={raw!r} is not a number: set it to seconds like {default}"
-        ) from e
+        what = (
+            "an integer: set it to a number"
+            if isinstance(default, int)
+            else "a number: set it to seconds"
+        )
+        raise ConfigError(f"{name}={raw!r} is not {what} like {default}") from e
