@@ -16,7 +16,6 @@ so a synchronous save of GPU state needs two chunks of host memory, not a copy o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import time
@@ -39,7 +38,6 @@ __all__ = [
     "ShardResult",
     "byte_view",
     "st_dtype",
-    "write_json_file",
     "write_shard",
 ]
 
@@ -261,9 +259,3 @@ def write_shard(
     return ShardResult(
         size=size, blake3=digest, data_start=data_start, pieces=out, hash_seconds=hasher.busy
     )
-
-
-def write_json_file(writer: Writer, data: bytes) -> tuple[int, str]:
-    """Write a small JSON file whole; returns (size, sha256). The caller commits."""
-    writer.write(data)
-    return len(data), hashlib.sha256(data).hexdigest()

@@ -39,8 +39,6 @@ class SidecarStatus:
     error: str | None = None
     request_id: str | None = None
     trigger: str | None = None
-    trainer: str | None = None
-    """alive, silent or absent: whether the SDK's heartbeat is fresh."""
     last_committed_step: int | None = None
     """The newest step this rank knows committed (periodic saves included)."""
 
@@ -61,7 +59,6 @@ class SidecarStatus:
             error=raw.get("error"),
             request_id=raw.get("request_id"),
             trigger=raw.get("trigger"),
-            trainer=raw.get("trainer"),
             last_committed_step=opt_int("last_committed_step"),
         )
 
