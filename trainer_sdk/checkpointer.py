@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ log = logging.getLogger("trainer_sdk.checkpointer")
 _DEFAULT_URI: Final = "./checkpoints"
 _HEARTBEAT_EVERY_S: Final = 5.0
 _NO_STEP: Final = 10**12  # above every valid step number
+_N = TypeVar("_N", int, float)
 
 # Load verdicts, ordered so that the maximum over the ranks is the worst.
 _LOAD_OK: Final = 0
@@ -103,24 +104,18 @@ class ResumeError(CheckpointError):
     ``BATON_RESUME_STEP`` names a step that cannot be loaded and ``resume_fallback`` is off)."""
 
 
-def _env_int(name: str) -> int | None:
+def _env_number(name: str, kind: type[_N]) -> _N | None:
+    """``$name`` parsed as ``kind`` (int or float); None when it is unset or blank."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError as e:
-        raise CheckpointError(f"${name}={raw!r} is not an integer: set it to a whole number") from e
-
-
-def _env_float(name: str) -> float | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise CheckpointError(f"${name}={raw!r} is not a number: set it to seconds") from e
+        fix = (
+            "an integer: set it to a whole number" if kind is int else "a number: set it to seconds"
+        )
+        raise CheckpointError(f"${name}={raw!r} is not {fix}") from e
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -236,11 +231,15 @@ class Checkpointer:
             )
         self.config = CheckpointerConfig(
             uri=str(resolved),
-            every_steps=every_steps if every_steps is not None else _env_int("BATON_EVERY_STEPS"),
+            every_steps=every_steps
+            if every_steps is not None
+            else _env_number("BATON_EVERY_STEPS", int),
             every_seconds=every_seconds
             if every_seconds is not None
-            else _env_float("BATON_EVERY_SECONDS"),
-            keep_last=keep_last if keep_last is not None else (_env_int("BATON_KEEP_LAST") or 3),
+            else _env_number("BATON_EVERY_SECONDS", float),
+            keep_last=keep_last
+            if keep_last is not None
+            else (_env_number("BATON_KEEP_LAST", int) or 3),
             async_save=async_save,
             control_dir=control_dir or os.environ.get("BATON_CONTROL_DIR") or None,
             handle_sigterm=handle_sigterm,
@@ -306,7 +305,7 @@ class Checkpointer:
         self._status = Status(
             state=State.IDLE,
             local_rank=self.local_rank,
-            local_world_size=max(_env_int("LOCAL_WORLD_SIZE") or 1, 1),
+            local_world_size=max(_env_number("LOCAL_WORLD_SIZE", int) or 1, 1),
         )
         self._status_lock = threading.Lock()
         self._last_beat = 0.0
@@ -330,7 +329,7 @@ class Checkpointer:
         ``resume_fallback``.
         """
         self._check_open()
-        expected = _env_int("BATON_RESUME_STEP")
+        expected = _env_number("BATON_RESUME_STEP", int)
         self._register_attempt()
         steps = self._agreed_steps()
         if not self._estimator.measured:
@@ -909,7 +908,7 @@ class Checkpointer:
         error: str | None = None
         if self.rank == 0:
             try:
-                attempt = api.register_attempt(self.storage, _env_int("BATON_ATTEMPT"))
+                attempt = api.register_attempt(self.storage, _env_number("BATON_ATTEMPT", int))
             except Exception as e:
                 if self._group is None:
                     raise
