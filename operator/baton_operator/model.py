@@ -7,7 +7,7 @@ only so that a body that skipped defaulting (a unit test, an old object) still p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["JobSpec", "LastCheckpoint"]
@@ -79,7 +79,6 @@ class LastCheckpoint:
     trigger: str | None = None
     completed_at: str | None = None
     seconds: float | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_status(self) -> dict[str, Any]:
         """The status-subresource shape (camelCase, nulls dropped)."""
