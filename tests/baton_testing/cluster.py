@@ -60,6 +60,10 @@ class ClusterConfig:
     """How many of the first nodes carry spot capacity-type labels."""
     gpus_per_node: int = 2
     """``nvidia.com/gpu`` capacity per node (nothing backs it: it lets GPU requests schedule)."""
+    cpu: str = "8"
+    """CPU capacity per node (a quantity); raise it to schedule GPU-node-sized requests."""
+    memory: str = "32Gi"
+    """Memory capacity per node (a quantity)."""
     toleration_seconds: int = 10
     """Default not-ready/unreachable toleration: how long after node loss pods are evicted.
     Kubernetes' default is 300 s; 10 s keeps node-loss tests short."""
@@ -179,7 +183,7 @@ class LocalCluster:
         args = [
             str(self.binary), "up", "--dir", str(self.directory),
             "--nodes", str(cfg.nodes), "--spot-nodes", str(cfg.spot_nodes),
-            "--gpus-per-node", str(cfg.gpus_per_node),
+            "--gpus-per-node", str(cfg.gpus_per_node), "--cpu", cfg.cpu, "--memory", cfg.memory,
             "--toleration-seconds", str(cfg.toleration_seconds),
             "--pod-path-prefix", _pod_path_prefix(),
         ]  # fmt: skip
