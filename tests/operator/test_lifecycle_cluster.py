@@ -91,6 +91,18 @@ INVALID: list[tuple[str, Any, str]] = [
         lambda s: s["template"]["spec"]["containers"][0].update(name="main"),
         "spec.template.spec.containers must include a container named `trainer`",
     ),
+    ("procs", lambda s: s.update(procsPerReplica=1000), "spec.procsPerReplica must be at most 64"),
+    (
+        "gpus",
+        lambda s: (
+            s.update(procsPerReplica=4),
+            s["template"]["spec"]["containers"][0].update(
+                resources={"limits": {"nvidia.com/gpu": 2}}
+            ),
+        ),
+        "spec.procsPerReplica must not exceed the trainer container's "
+        "resources.limits[nvidia.com/gpu]",
+    ),
 ]
 
 
