@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from trainer_sdk import _ddp, api, rng
 from trainer_sdk._collectives import all_gather_json, broadcast_json
-from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk._deadline import SaveEstimator, deadline_scope, probe_write
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.control import (
     ROUTINE_TRIGGERS,
@@ -856,7 +856,13 @@ class Checkpointer:
                     self._board.served(local)
                     return self._after_notice(step, bg_error)
             self._update_status(state=State.SAVING)
-            info = self._save(step, trigger=trigger, background=False, prepared=prepared)
+            # Storage retries (S3) never start one that could not end before the margin.
+            with deadline_scope(
+                None
+                if agreement.deadline is None
+                else agreement.deadline - self.config.deadline_margin
+            ):
+                info = self._save(step, trigger=trigger, background=False, prepared=prepared)
             assert info is not None
             phases = {SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s, **info.phases}
             self._finish_notice(local, step, notice_t, phases, info.bytes)
