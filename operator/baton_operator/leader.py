@@ -97,58 +97,38 @@ class LeaseClient:
         lease: dict[str, Any] = json.loads(resp.data)
         return lease
 
-    async def create(self, spec: dict[str, Any]) -> bool:
-        """Create the Lease; False when another operator created it first."""
-        body = {
-            "apiVersion": f"{GROUP}/v1",
-            "kind": "Lease",
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "spec": spec,
-        }
+    def _body(self, spec: dict[str, Any], resource_version: str | None = None) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if resource_version is not None:
+            metadata["resourceVersion"] = resource_version
+        return {"apiVersion": f"{GROUP}/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
+
+    async def _write(self, doing: str, call: Callable[..., Any], *args: Any) -> bool:
+        """One create or guarded replace; False when another operator wrote first (409)."""
         try:
             await asyncio.to_thread(
-                self._api.create_namespaced_lease,
-                self.namespace,
-                body,
-                _preload_content=False,
-                _request_timeout=self._timeout,
+                call, *args, _preload_content=False, _request_timeout=self._timeout
             )
         except ApiException as e:
             if e.status == 409:
                 return False
-            raise KubeError(f"creating {self._what()}: HTTP {e.status}", status=e.status) from e
+            raise KubeError(f"{doing} {self._what()}: HTTP {e.status}", status=e.status) from e
         except OSError as e:
-            raise KubeError(f"creating {self._what()}: {type(e).__name__}") from e
+            raise KubeError(f"{doing} {self._what()}: {type(e).__name__}") from e
         return True
+
+    async def create(self, spec: dict[str, Any]) -> bool:
+        """Create the Lease; False when another operator created it first."""
+        return await self._write(
+            "creating", self._api.create_namespaced_lease, self.namespace, self._body(spec)
+        )
 
     async def update(self, lease: dict[str, Any], spec: dict[str, Any]) -> bool:
         """Replace the Lease's spec, guarded by its resourceVersion; False on a conflict."""
-        body = {
-            "apiVersion": f"{GROUP}/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": self.name,
-                "namespace": self.namespace,
-                "resourceVersion": lease["metadata"]["resourceVersion"],
-            },
-            "spec": spec,
-        }
-        try:
-            await asyncio.to_thread(
-                self._api.replace_namespaced_lease,
-                self.name,
-                self.namespace,
-                body,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise KubeError(f"updating {self._what()}: HTTP {e.status}", status=e.status) from e
-        except OSError as e:
-            raise KubeError(f"updating {self._what()}: {type(e).__name__}") from e
-        return True
+        body = self._body(spec, lease["metadata"]["resourceVersion"])
+        return await self._write(
+            "updating", self._api.replace_namespaced_lease, self.name, self.namespace, body
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
