@@ -112,11 +112,19 @@ def _wait(work: Any, *, deadline: float, what: str, seq: str, world: int, timeou
         work.wait()
     except RuntimeError as e:
         missing = _missing(seq, world)
-        who = f" (rank(s) {', '.join(map(str, missing))} never arrived)" if missing else ""
+        if missing:
+            # The backend's own timer (gloo's, set to the same timeout) fired before ours: the
+            # same fault as above, reported the same way.
+            raise CollectiveTimeoutError(
+                f"{what}: no answer within {timeout:.0f} s; rank(s) "
+                f"{', '.join(map(str, missing))} never arrived ({e}). A rank probably died or "
+                "is stuck; restart the job (the previous complete step is intact).",
+                ranks=missing,
+            ) from e
         raise CollectiveTimeoutError(
-            f"{what}: a peer failed during the collective{who}: {e}. A rank probably died; "
+            f"{what}: a peer failed during the collective: {e}. A rank probably died; "
             "restart the job (the previous complete step is intact).",
-            ranks=missing or (),
+            ranks=(),
         ) from e
 
 
