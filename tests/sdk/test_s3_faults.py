@@ -243,13 +243,20 @@ def test_connection_reset_on_part_is_retried(s3_faults: S3Bucket) -> None:
 
 def test_stalled_get_times_out_and_is_retried(s3_faults: S3Bucket) -> None:
     proxy = _proxy(s3_faults)
-    st = S3Storage.from_uri(s3_faults.uri(), config=FAST)
+    # Room for a slow answer on a loaded machine (moto under load can take over 1 s); the
+    # stall is well past it, so only the stalled GET times out.
+    st = S3Storage.from_uri(s3_faults.uri(), config=dataclasses.replace(FAST, read_timeout=2.0))
     data = os.urandom(1000)
     st.write_atomic("small", data)
-    proxy.add(Fault(op="GetObject", action="stall", seconds=3, times=1))
+    proxy.add(Fault(op="GetObject", action="stall", seconds=6, times=1))
     out = bytearray(100)
     st.read_into("small", 900, memoryview(out))
     assert out == data[900:]
+    # The proxy records a forwarded request after sending its answer, so the client can be
+    # done before the record is: wait for it (bounded), then compare exactly.
+    deadline = time.monotonic() + 30
+    while len(proxy.seen("GetObject")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert [s.fault for s in proxy.seen("GetObject")] == ["stall", None]
 
 
