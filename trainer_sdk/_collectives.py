@@ -112,7 +112,7 @@ def _wait(work: Any, *, deadline: float, what: str, seq: str, world: int, timeou
         work.wait()
     except RuntimeError as e:
         missing = _missing(seq, world)
-        if missing:
+        if missing and "timed out" in str(e).lower():
             # The backend's own timer (gloo's, set to the same timeout) fired before ours: the
             # same fault as above, reported the same way.
             raise CollectiveTimeoutError(
@@ -121,10 +121,11 @@ def _wait(work: Any, *, deadline: float, what: str, seq: str, world: int, timeou
                 "is stuck; restart the job (the previous complete step is intact).",
                 ranks=missing,
             ) from e
+        who = f" (rank(s) {', '.join(map(str, missing))} never arrived)" if missing else ""
         raise CollectiveTimeoutError(
-            f"{what}: a peer failed during the collective: {e}. A rank probably died; "
+            f"{what}: a peer failed during the collective{who}: {e}. A rank probably died; "
             "restart the job (the previous complete step is intact).",
-            ranks=(),
+            ranks=missing or (),
         ) from e
 
 
