@@ -134,17 +134,21 @@ def rbac_rules() -> list[dict[str, Any]]:
     )
 
 
+def _metadata(name: str, labels: Mapping[str, str], namespace: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    return meta
+
+
 def _binding(
     kind: str, name: str, role_kind: str, *, sa: Mapping[str, str], labels: Mapping[str, str],
     namespace: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
-    if namespace is not None:
-        meta["namespace"] = namespace
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": kind,
-        "metadata": meta,
+        "metadata": _metadata(name, labels, namespace),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": name},
         "subjects": [{"kind": "ServiceAccount", **sa}],
     }
@@ -154,13 +158,10 @@ def _role(
     kind: str, name: str, rules: list[dict[str, Any]], *, labels: Mapping[str, str],
     namespace: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
-    if namespace is not None:
-        meta["namespace"] = namespace
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": kind,
-        "metadata": meta,
+        "metadata": _metadata(name, labels, namespace),
         "rules": rules,
     }
 

@@ -485,20 +485,7 @@ class S3Storage:
     # -- reading ---------------------------------------------------------------------------
 
     def read_bytes(self, path: str) -> bytes:
-        key = self._key(path)
-
-        def get() -> bytes:
-            resp = self._client.get_object(Bucket=self.bucket, Key=key)
-            body = resp["Body"]
-            try:
-                data = bytes(body.read())
-            finally:
-                body.close()
-            if len(data) != int(resp["ContentLength"]):
-                raise _retry.ShortReadError(f"{len(data)} of {resp['ContentLength']} bytes")
-            return data
-
-        return self._call("read", key, get)
+        return self.read_versioned(path)[0]
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         key = self._key(path)
