@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from . import lifecycle, manifests, podpolicy
-from .errors import KubeError, SidecarError
+from .errors import KubeError, SidecarUnreachableError
 from .kube import Kube
 from .lifecycle import Outcome, Phase, RankView, VerdictKind
 from .metrics import Metrics
@@ -885,7 +885,7 @@ class Reconciler:
                             v.ip, token, deadline=deadline,
                             reason=f"{notice.get('source')}: {notice.get('reason')}",
                         )  # fmt: skip
-                    except SidecarError as e:
+                    except SidecarUnreachableError as e:
                         _log.warning("checkpoint request to rank %d failed: %s", v.rank, e)
                 ids.append(rid)
             await self._patch(spec, {"notice": {"requestedAt": _iso(now), "requestIds": ids}})
@@ -974,7 +974,7 @@ class Reconciler:
                 continue
             try:
                 live[v.rank] = await self._sidecars.status(v.ip, memory.token)
-            except SidecarError as e:
+            except SidecarUnreachableError as e:
                 _log.debug("rank %d status: %s", v.rank, e)
                 continue
             memory.reports[v.rank] = live[v.rank]

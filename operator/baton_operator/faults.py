@@ -85,8 +85,9 @@ def _counted(
         except (OSError, Urllib3Error) as e:
             # Only the exception's type: its text may carry a URL, never a header, but stay safe.
             metrics.api_errors.labels(verb, "0").inc()
-            error = KubeError(f"{call.__name__}: no answer from the API server "
-                              f"({type(e).__name__})", status=0)  # fmt: skip
+            error = KubeError.from_answer(
+                f"{call.__name__}: no answer from the API server ({type(e).__name__})", status=0
+            )
             health.failed(str(error))
             raise error from e
         health.ok()

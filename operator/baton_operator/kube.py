@@ -98,7 +98,9 @@ def _translate(e: ApiException, what: str) -> KubeError:
     reason = str(body.get("message") or e.reason or "")
     causes = (body.get("details") or {}).get("causes") or []
     fields = tuple(str(c["field"]) for c in causes if isinstance(c, dict) and c.get("field"))
-    return KubeError(f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0), fields=fields)
+    return KubeError.from_answer(
+        f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0), fields=fields
+    )
 
 
 def _is_already_exists(e: ApiException) -> bool:

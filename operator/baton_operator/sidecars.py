@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from .errors import SidecarError
+from .errors import SidecarUnreachableError
 from .vocabulary import SaveState
 
 __all__ = ["MIN_LEAD", "SidecarClient", "SidecarStatus"]
@@ -113,17 +113,17 @@ class SidecarClient:
             ) as resp:
                 if resp.status >= 300:
                     text = (await resp.text())[:200]
-                    raise SidecarError(
+                    raise SidecarUnreachableError(
                         f"sidecar at {ip} answered {method} {path} with HTTP {resp.status}: {text}"
                     )
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            raise SidecarError(
+            raise SidecarUnreachableError(
                 f"sidecar at {ip} did not answer {method} {path} ({type(e).__name__}): is the "
                 "pod running and its baton-sidecar container ready?"
             ) from None
         if not isinstance(data, dict):
-            raise SidecarError(f"sidecar at {ip} answered {path} with non-object JSON")
+            raise SidecarUnreachableError(f"sidecar at {ip} answered {path} with non-object JSON")
         return data
 
     async def request_checkpoint(

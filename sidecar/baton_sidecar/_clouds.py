@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Final
 import aiohttp
 
 from baton_sidecar._config import Cloud, SidecarConfig
+from baton_sidecar._errors import SidecarError
 from baton_sidecar._metrics import SidecarMetrics
 from trainer_sdk.control import ControlError, State, Status, parse_rfc3339, utcnow
 
@@ -63,7 +64,7 @@ AZURE_NOTICE_TYPES: Final = frozenset({"Preempt", "Terminate"})
 _BACKOFF_INITIAL: Final = 0.5
 
 
-class PollError(Exception):
+class PollError(SidecarError):
     """A metadata endpoint answered, but not as documented (retried like a network error)."""
 
 

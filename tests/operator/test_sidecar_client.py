@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from baton_operator.errors import SidecarError
+from baton_operator.errors import SidecarUnreachableError
 from baton_operator.sidecars import SidecarClient
 from baton_operator.vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 from baton_testing.ports import free_port
@@ -120,11 +120,11 @@ def test_a_notice_past_its_deadline_still_asks_for_a_save(sidecar: SidecarProces
 def test_wrong_token_and_dead_sidecar_raise_without_the_token(sidecar: SidecarProcess) -> None:
     async def scenario() -> None:
         async with SidecarClient(port=sidecar.port, timeout_seconds=2) as client:
-            with pytest.raises(SidecarError, match="HTTP 401") as bad:
+            with pytest.raises(SidecarUnreachableError, match="HTTP 401") as bad:
                 await client.status("127.0.0.1", "not-the-token")
             assert "not-the-token" not in str(bad.value)
         async with SidecarClient(port=free_port(), timeout_seconds=2) as client:
-            with pytest.raises(SidecarError, match="is the pod running") as dead:
+            with pytest.raises(SidecarUnreachableError, match="is the pod running") as dead:
                 await client.status("127.0.0.1", TOKEN)
             assert TOKEN not in str(dead.value)
 
