@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 from baton_operator import __main__ as operator_main
 from baton_testing.cluster import LocalCluster, LocalClusterError
+from baton_testing.jobs import trainer_command, trainer_env, training_job
 from baton_testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -243,57 +244,27 @@ class Baton:
     ) -> dict[str, Any]:
         out = self.workdir / name
         out.mkdir(parents=True, exist_ok=True)
-        trainer_cmd = command or [
-            "python",
-            "-m",
-            "baton_testing.trainer",
-            "--steps",
-            str(steps),
-            "--every-steps",
-            str(every_steps),
-            "--sleep",
-            str(sleep),
-            "--loss-log",
-            str(out / "loss.log"),
-            "--result",
-            str(out / "result.json"),
-            "--timeout",
-            "30",
-        ]
-        pod_spec: dict[str, Any] = {
-            "terminationGracePeriodSeconds": 20,
-            "containers": [
-                {
-                    "name": "trainer",
-                    "image": "baton-example:dev",
-                    "command": trainer_cmd,
-                    "env": [
-                        {"name": "PYTHONPATH", "value": f"{REPO / 'tests'}:{REPO}"},
-                        {"name": "PYTHONUNBUFFERED", "value": "1"},
-                    ],
-                }
-            ],
-        }
+        pod: dict[str, Any] = {"terminationGracePeriodSeconds": 20}
         if node_selector:
-            pod_spec["nodeSelector"] = node_selector
-        spec: dict[str, Any] = {
-            "replicas": replicas,
-            "template": {"spec": pod_spec},
-            "checkpoint": {"uri": str(out / "ckpt"), "everySteps": every_steps},
-            "failurePolicy": failure_policy or {"maxFailures": 0, "backoffSeconds": 1},
-            # Pods share the host's network here: a port per job keeps rendezvous apart.
-            "masterPort": free_port(),
-            **(extra_spec or {}),
-        }
+            pod["nodeSelector"] = node_selector
+        spec = dict(extra_spec or {})
         if min_replicas is not None:
             spec["minReplicas"] = min_replicas
             spec["elasticWaitSeconds"] = 5
-        return {
-            "apiVersion": "baton.dev/v1alpha1",
-            "kind": "TrainingJob",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": spec,
-        }
+        return training_job(
+            name,
+            NAMESPACE,
+            command=command
+            or trainer_command(out, steps=steps, every_steps=every_steps, sleep=sleep),
+            env=trainer_env(),
+            replicas=replicas,
+            checkpoint={"uri": str(out / "ckpt"), "everySteps": every_steps},
+            failure_policy=failure_policy or {"maxFailures": 0, "backoffSeconds": 1},
+            # Pods share the host's network here: a port per job keeps rendezvous apart.
+            master_port=free_port(),
+            pod=pod,
+            spec=spec,
+        )
 
     def apply(self, manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest), check=False)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from baton_testing.cluster import LocalCluster
+from baton_testing.jobs import trainer_command, trainer_env, training_job
 from baton_testing.prometheus import (
     PrometheusServer,
     ScrapeTarget,
@@ -137,56 +138,17 @@ def _training_job(
     """A two-pod TrainingJob running the project's deterministic trainer, restricted-ready."""
     out = workdir / name
     out.mkdir(parents=True)
-    return {
-        "apiVersion": "baton.dev/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "replicas": 2,
-            "checkpoint": {"uri": str(out / "ckpt"), "everySteps": 5, "keepLast": 2},
-            "failurePolicy": {"maxFailures": max_failures, "backoffSeconds": 1},
-            "template": {
-                "spec": {
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 1000,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "my-training-image:1.0",
-                            "command": [
-                                "python",
-                                "-m",
-                                "baton_testing.trainer",
-                                "--steps",
-                                str(steps),
-                                "--every-steps",
-                                "5",
-                                "--sleep",
-                                str(sleep),
-                                "--loss-log",
-                                str(out / "loss.log"),
-                                "--result",
-                                str(out / "result.json"),
-                                "--timeout",
-                                "30",
-                            ],
-                            "env": [
-                                {"name": "PYTHONPATH", "value": f"{ROOT / 'tests'}:{ROOT}"},
-                                {"name": "PYTHONUNBUFFERED", "value": "1"},
-                            ],
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
-                        }
-                    ],
-                }
-            },
-        },
-    }
+    return training_job(
+        name,
+        namespace,
+        image="my-training-image:1.0",
+        command=trainer_command(out, steps=steps, every_steps=5, sleep=sleep),
+        env=trainer_env(),
+        replicas=2,
+        checkpoint={"uri": str(out / "ckpt"), "everySteps": 5, "keepLast": 2},
+        failure_policy={"maxFailures": max_failures, "backoffSeconds": 1},
+        restricted=True,
+    )
 
 
 def _run_job_to_success(cluster: LocalCluster, job: dict[str, Any], watch: list[str]) -> None:
