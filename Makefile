@@ -18,13 +18,20 @@ PYTEST_ARGS ?=
 test: build lint typecheck importlint pytest
 
 ## .venv/ with the project (editable) and its dev extra; reinstalled when pyproject.toml changes.
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(VENV)/.test-helpers
 
 $(VENV)/.installed: pyproject.toml
 	@echo "==> setting up $(VENV) (torch is large: the first install downloads ~3 GB; pip's cache serves later runs)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
+	@touch $@
+
+## The test helpers (tests/baton_testing: the local cluster, the S3 server, the demo's driver)
+## are importable in .venv/, as pytest's pythonpath makes them for the tests: the demo
+## (examples/demo/run.py) uses them. A .pth file names tests/; they are not in the wheel.
+$(VENV)/.test-helpers: $(VENV)/.installed
+	echo "$(CURDIR)/tests" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/baton-test-helpers.pth"
 	@touch $@
 
 ## Everything the tests need, set up side by side: .venv/ (the Python packages download and
@@ -35,7 +42,7 @@ $(VENV)/.installed: pyproject.toml
 ## A warm run does no work: every part checks its cache or stamp and returns at once.
 ## To add a part: one name in SETUP_PARTS and one setup-NAME line below.
 SETUP_PARTS := venv cluster helm versitygw prometheus
-setup-venv: ; @tools/setup-part.sh venv $(MAKE) --no-print-directory $(VENV)/.installed
+setup-venv: ; @tools/setup-part.sh venv $(MAKE) --no-print-directory $(VENV)/.installed $(VENV)/.test-helpers
 setup-cluster: ; @tools/setup-part.sh cluster tests/cluster/build.sh
 setup-helm: ; @tools/setup-part.sh helm tools/helm/build.sh
 setup-versitygw: ; @tools/setup-part.sh versitygw tools/versitygw/build.sh

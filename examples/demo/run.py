@@ -13,695 +13,124 @@ Run it with ``make demo`` (options through ``DEMO_ARGS``) or directly::
 
 The exit status is 0 only when the job Succeeded and its weights are bitwise equal to the
 reference's. See docs/demo.md.
+
+This file holds what the demo is about: the job, how its node is taken away, and the report.
+The machinery (the local cluster, the S3 server, the Helm install, following the job, the
+uninterrupted reference run, the measurements and the plot) is the test helpers' driver,
+``tests/baton_testing/demo.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import json
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
-from datetime import datetime
+from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parents[2]
-# The demo drives the same local cluster and S3 server the tests use: their drivers live in
-# tests/baton_testing (not an installed package), so put tests/ on the import path.
-sys.path.insert(0, str(ROOT / "tests"))
+try:
+    from baton_testing.cluster import LocalCluster, Provider
+    from baton_testing.demo import (
+        JOB,
+        JOB_NS,
+        SPOT_TOLERATION,
+        TRAIN,
+        DemoConfig,
+        run_demo,
+        say,
+    )
+    from baton_testing.jobs import training_job
+    from baton_testing.ports import free_port
+except ModuleNotFoundError as e:
+    if e.name != "baton_testing":
+        raise
+    sys.exit(
+        "the demo drives the local cluster with the test helpers in tests/baton_testing, which "
+        "this Python cannot import: run `make venv` (it names tests/ in .venv through a .pth "
+        "file), then run the demo with .venv/bin/python or `make demo`"
+    )
 
-import kubernetes.client  # noqa: E402
-import kubernetes.watch  # noqa: E402
-import yaml  # noqa: E402
-from baton_testing.cluster import (  # noqa: E402
-    ClusterConfig,
-    LocalCluster,
-    Provider,
-    build_localcluster,
-)
-from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer  # noqa: E402
-
-TRAIN = ROOT / "examples" / "tinylm" / "train.py"
-CHART = ROOT / "charts" / "baton"
-HELM_BUILD = ROOT / "tools" / "helm" / "build.sh"
-CACHE = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
-
-OPERATOR_NS = "baton-system"
-JOB_NS = "ml"
-JOB = "tinylm"
-RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
-# A spot node pool's taint (GKE's, as `gcloud ... --spot` pools are usually tainted): only
-# workloads that tolerate it land on spot capacity.
-SPOT_TAINT = "cloud.google.com/gke-spot=true:NoSchedule"
 # The window from the notice until the machine is gone, per provider (what the clouds give).
 PROVIDER_GRACE = {"aws": 120, "gke": 30, "karpenter": 120, "autoscaler": 120}
-GROUP, VERSION, PLURAL = "baton.dev", "v1alpha1", "trainingjobs"
 
 
-class DemoError(RuntimeError):
-    """The demo could not run to the end; the message says which phase and why."""
+# --------------------------------------------------------------------------- the job
 
 
-@dataclass(kw_only=True, frozen=True)
-class DemoConfig:
-    """What one demo run does (the command-line options)."""
-
-    provider: Provider = "aws"
-    """Whose notice the node gets: aws, gke, karpenter or autoscaler."""
-    preemptions: int = 1
-    """How many notices (or node losses), one per attempt."""
-    kill_node: bool = False
-    """Lose the node without notice instead (restore from the last periodic checkpoint)."""
-    storage: str = "s3"
-    """Checkpoints in the demo's S3 server (s3) or on the local filesystem (file)."""
-    out: Path = Path("demo-out")
-    """Where the report, the plot and the logs go."""
-    steps: int = 100
-    """Training steps of the job."""
-    every_steps: int = 10
-    """Periodic checkpoint interval (what an unannounced loss falls back to)."""
-    step_sleep: float = 0.25
-    """Seconds each step sleeps, so that there is time to preempt mid-run."""
-    timeout: float = 900.0
-    """Seconds the job may take from apply to Succeeded."""
-
-
-@dataclass
-class Interruption:
-    """What happened around one notice or node loss."""
-
-    kind: str
-    node: str
-    rank: int
-    at_step: int
-    injected_at: float
-    notice: dict[str, Any] = field(default_factory=dict)
-    committed: dict[str, Any] = field(default_factory=dict)
-    resumed_step: int | None = None
-    restore_seconds: float | None = None
-    resumed_at: float | None = None
-    last_step_before: int = 0
+def tinylm_job(
+    cfg: DemoConfig, uri: str, storage_env: list[dict[str, Any]], loss_log: Path
+) -> dict[str, Any]:
+    """The TrainingJob: 2 pods of ``examples/tinylm/train.py`` on spot nodes, restricted-ready."""
+    env = [
+        {"name": "TINYLM_LOG", "value": str(loss_log)},
+        {"name": "TINYLM_STEP_SLEEP", "value": str(cfg.step_sleep)},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *storage_env,  # the S3 endpoint, region and the Secret's keys (none for --storage file)
+    ]
+    return training_job(
+        JOB,
+        JOB_NS,
+        image="tinylm:demo",
+        command=["python", str(TRAIN), "--steps", str(cfg.steps)],
+        env=env,
+        replicas=2,
+        checkpoint={"uri": uri, "everySteps": cfg.every_steps, "keepLast": 3},
+        # A preemption never counts as a failure; 0 makes a miscounted one fail loudly.
+        failure_policy={
+            "maxFailures": cfg.preemptions if cfg.kill_node else 0,
+            "backoffSeconds": 1,
+        },
+        # Pods share the host's network here: a free port keeps rendezvous apart.
+        master_port=free_port(),
+        restricted=True,
+        pod={
+            "nodeSelector": {"karpenter.sh/capacity-type": "spot"},
+            "tolerations": [SPOT_TOLERATION],
+        },
+    )
 
 
-def say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+# --------------------------------------------------------------------------- the preemption
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def interruption_steps(cfg: DemoConfig) -> list[int]:
+    """The training step of each interruption, one per attempt, spread over the run."""
+    targets = [
+        max(cfg.every_steps + 3, round(cfg.steps * (k + 1) / (cfg.preemptions + 1)) - 2)
+        for k in range(cfg.preemptions)
+    ]
+    if cfg.kill_node:
+        # Halfway between two periodic checkpoints, so that steps are visibly lost.
+        targets = [t - t % cfg.every_steps + cfg.every_steps // 2 for t in targets]
+    return targets
 
 
-def _ts(value: str | None) -> float | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp() if value else None
+def interrupt(cfg: DemoConfig, cluster: LocalCluster, node: str, rank: int, step: int) -> str:
+    """Take ``node`` away: the provider's notice, or (``--kill-node``) the machine just dies."""
+    if cfg.kill_node:
+        say(f"chaos: killing node {node} (rank {rank}) at step {step}, with no notice")
+        cluster.kill_node(node)
+        return "kill-node"
+    grace = PROVIDER_GRACE[cfg.provider]
+    say(
+        f"chaos: preempt {node} (rank {rank}) at step {step}: "
+        f"{cfg.provider} notice, the machine is gone in {grace}s"
+    )
+    # What the provider does to the node (AWS: the Node Termination Handler's taint, label,
+    # cordon and drain); the machine stops `grace` seconds later (see docs/demo.md).
+    cluster.preempt(node, provider=cfg.provider, grace_s=grace)
+    return f"{cfg.provider} notice"
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """The trainer's JSON lines (a half-written last line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def _reference_key(cfg: DemoConfig) -> str:
-    digest = hashlib.sha256()
-    sources = [TRAIN, *sorted((ROOT / "trainer_sdk").rglob("*.py"))]
-    for path in sources:
-        digest.update(str(path.relative_to(ROOT)).encode())
-        digest.update(path.read_bytes())
-    import torch
-
-    # The arguments that change the arithmetic (the step sleep does not); torch's version too.
-    digest.update(json.dumps([cfg.steps, cfg.every_steps, 2, torch.__version__]).encode())
-    return digest.hexdigest()[:16]
-
-
-def reference_run(cfg: DemoConfig) -> tuple[str, list[dict[str, Any]]]:
-    """The same job never interrupted: 2 local gloo processes with the env the pods get.
-
-    Cached under ``$BATON_CACHE_DIR/demo-ref/<hash of train.py, the SDK and the args>``.
-    """
-    cached = CACHE / "demo-ref" / _reference_key(cfg)
-    if (cached / "sha256").exists():
-        say(f"reference: cached in {cached}")
-        return (cached / "sha256").read_text().strip(), read_log(cached / "loss.jsonl")
-    say(f"reference: training the same job uninterrupted ({cfg.steps} steps, 2 ranks)")
-    with tempfile.TemporaryDirectory(prefix="baton-demo-ref-") as tmp:
-        log = Path(tmp) / "loss.jsonl"
-        port = str(_free_port())
-        procs = []
-        for rank in (0, 1):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "BATON_CHECKPOINT_URI": str(Path(tmp) / "ckpt"),
-                "BATON_EVERY_STEPS": str(cfg.every_steps),
-                "BATON_ATTEMPT": "0",
-                "TINYLM_LOG": str(log),
-                "TINYLM_STEP_SLEEP": "0",
-                "PYTHONUNBUFFERED": "1",
-            }
-            cmd = [sys.executable, str(TRAIN), "--steps", str(cfg.steps)]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-            )
-        try:
-            outputs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise DemoError("the reference run failed:\n" + "\n".join(o[-2000:] for o in outputs))
-        done = [e for e in read_log(log) if e.get("event") == "done"]
-        if not done:
-            raise DemoError(f"the reference run logged no final sha256:\n{outputs[0][-2000:]}")
-        cached.mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, cached / "loss.jsonl")
-        (cached / "sha256").write_text(str(done[-1]["sha256"]) + "\n")
-    return (cached / "sha256").read_text().strip(), read_log(cached / "loss.jsonl")
-
-
-# --------------------------------------------------------------------------- the cluster side
-
-
-class Demo:
-    """The processes of one demo run; :meth:`close` stops all of them."""
-
-    def __init__(self, cfg: DemoConfig) -> None:
-        self.cfg = cfg
-        self.out = cfg.out.resolve()
-        self.work = self.out / "work"
-        self.loss_log = self.out / "loss.jsonl"
-        self.cluster: LocalCluster | None = None
-        self.s3: VersityServer | None = None
-        self.helm = ""
-        self.bucket = "baton-demo"
-        self.interruptions: list[Interruption] = []
-        self.phases: list[tuple[float, str, int]] = []
-        self.final_status: dict[str, Any] = {}
-        self._threads: list[threading.Thread] = []
-        self._binary = Path()
-        self.saved_events: list[str] = []
-        self._notices: dict[float, dict[str, Any]] = {}
-        self._stop = threading.Event()
-
-    # -- setup
-
-    def build(self) -> None:
-        say("build: the local cluster binary and helm (cached after the first build)")
-        binary = build_localcluster(echo=True)
-        result = subprocess.run(
-            [str(HELM_BUILD)], capture_output=True, text=True, check=False, timeout=3600
-        )
-        if result.returncode != 0:
-            raise DemoError(f"{HELM_BUILD} failed:\n{result.stderr[-3000:]}")
-        self.helm = result.stdout.strip().splitlines()[-1]
-        self._binary = binary
-
-    def start_cluster(self) -> LocalCluster:
-        say("cluster: starting 3 spot nodes and 1 on-demand node")
-        began = time.monotonic()
-        if self.work.exists():
-            shutil.rmtree(self.work)
-        self.work.mkdir(parents=True)
-        cluster = LocalCluster.start(
-            self.work / "cluster",
-            ClusterConfig(nodes=4, spot_nodes=3, gpus_per_node=0),
-            binary=self._binary,
-        )
-        self.cluster = cluster
-        for node in self.spot_nodes():
-            cluster.kubectl("taint", "node", node, SPOT_TAINT, "--overwrite")
-        say(f"cluster: ready in {time.monotonic() - began:.0f}s; nodes:\n{self.node_table()}")
-        return cluster
-
-    def node_labels(self) -> dict[str, dict[str, str]]:
-        assert self.cluster is not None
-        nodes: list[Any] = kubernetes.client.CoreV1Api(self.cluster.api).list_node().items
-        return {str(n.metadata.name): dict(n.metadata.labels or {}) for n in nodes}
-
-    def spot_nodes(self) -> list[str]:
-        labels = self.node_labels()
-        return sorted(
-            n for n, lab in labels.items() if lab.get("karpenter.sh/capacity-type") == "spot"
-        )
-
-    def node_table(self) -> str:
-        assert self.cluster is not None
-        table = self.cluster.kubectl(
-            "get",
-            "nodes",
-            "-L",
-            "karpenter.sh/capacity-type",
-            "-L",
-            "eks.amazonaws.com/capacityType",
-        ).stdout
-        return "  " + str(table).rstrip().replace("\n", "\n  ")
-
-    def start_storage(self) -> tuple[str, list[dict[str, Any]]]:
-        """The checkpoint URI and the trainer env entries for it."""
-        assert self.cluster is not None
-        if self.cfg.storage == "file":
-            uri = str(self.work / "checkpoints" / JOB)
-            say(f"storage: local filesystem at {uri}")
-            return uri, []
-        # versitygw, a production S3 server (built by tools/versitygw/build.sh), which checks
-        # signatures and checksums as S3 does; its data lives in a temporary directory.
-        self.s3 = VersityServer()
-        self.s3.start()
-        self.s3.client().create_bucket(Bucket=self.bucket)
-        secret = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "s3-credentials", "namespace": JOB_NS},
-            "stringData": {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET},
-        }
-        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(secret))
-        say(
-            f"storage: versitygw S3 server at {self.s3.endpoint}, bucket {self.bucket}, "
-            "Secret s3-credentials"
-        )
-        env: list[dict[str, Any]] = [
-            {"name": "AWS_ENDPOINT_URL_S3", "value": self.s3.endpoint},
-            {"name": "AWS_REGION", "value": REGION},
-            # Never read a developer's ~/.aws files.
-            {"name": "AWS_CONFIG_FILE", "value": os.devnull},
-            {"name": "AWS_SHARED_CREDENTIALS_FILE", "value": os.devnull},
-        ]
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            env.append(
-                {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
-            )
-        return f"s3://{self.bucket}/{JOB}", env
-
-    def namespaces(self) -> None:
-        assert self.cluster is not None
-        for ns in (OPERATOR_NS, JOB_NS):
-            self.cluster.kubectl("create", "namespace", ns)
-            self.cluster.kubectl("label", "namespace", ns, RESTRICTED, "--overwrite")
-
-    def _wait_port_free(self, port: int, timeout: float = 300.0) -> None:
-        # The local cluster's pods share the host's network, and the operator listens on
-        # 0.0.0.0:8080 (the contract port): an operator of another local cluster on this machine
-        # would take it, and the probes of ours would be answered by that one.
-        began = time.monotonic()
-        while True:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("0.0.0.0", port))  # what the operator binds
-                    return
-                except OSError:
-                    pass
-            waited = time.monotonic() - began
-            if waited > timeout:
-                raise DemoError(
-                    f"port {port} is still in use after {timeout:.0f}s: the operator needs it on "
-                    f"the host network; stop the other process (ss -ltnp | grep :{port})"
-                )
-            if int(waited) % 15 == 0:
-                say(f"operator: port {port} is in use by another process; waiting ({waited:.0f}s)")
-            time.sleep(1)
-
-    def install_operator(self) -> None:
-        assert self.cluster is not None
-        self._wait_port_free(8080)
-        say(
-            f"operator: helm install baton charts/baton -n {OPERATOR_NS} (restricted namespace, "
-            "on-demand node)"
-        )
-        began = time.monotonic()
-        command = [
-            self.helm, "install", "baton", str(CHART), "--namespace", OPERATOR_NS,
-            "--kubeconfig", str(self.cluster.kubeconfig), "--wait", "--timeout", "5m",
-            "--set", f"networkPolicy.namespaces={{{JOB_NS}}}",
-            # The operator must outlive the preemptions it handles: keep it on on-demand.
-            "--set-string", "nodeSelector.karpenter\\.sh/capacity-type=on-demand",
-            # No cloud metadata service here: the notices come from the Node objects.
-            "--set", "operator.extraArgs={--sidecar-cloud=none}",
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
-        if result.returncode != 0:
-            raise DemoError(f"helm install failed:\n{result.stderr}\n{self.diagnostics()}")
-        say(f"operator: running ({time.monotonic() - began:.0f}s)")
-
-    def job_manifest(self, uri: str, storage_env: list[dict[str, Any]]) -> dict[str, Any]:
-        cfg = self.cfg
-        env = [
-            {"name": "TINYLM_LOG", "value": str(self.loss_log)},
-            {"name": "TINYLM_STEP_SLEEP", "value": str(cfg.step_sleep)},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
-            *storage_env,
-        ]
-        failures = cfg.preemptions if cfg.kill_node else 0
-        return {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "TrainingJob",
-            "metadata": {"name": JOB, "namespace": JOB_NS},
-            "spec": {
-                "replicas": 2,
-                "checkpoint": {"uri": uri, "everySteps": cfg.every_steps, "keepLast": 3},
-                # A preemption never counts as a failure; 0 makes a miscounted one fail loudly.
-                "failurePolicy": {"maxFailures": failures, "backoffSeconds": 1},
-                # Pods share the host's network here: a free port keeps rendezvous apart.
-                "masterPort": _free_port(),
-                "template": {
-                    "spec": {
-                        "securityContext": {
-                            "runAsNonRoot": True,
-                            "runAsUser": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"},
-                        },
-                        "nodeSelector": {"karpenter.sh/capacity-type": "spot"},
-                        "tolerations": [
-                            {
-                                "key": "cloud.google.com/gke-spot",
-                                "operator": "Equal",
-                                "value": "true",
-                                "effect": "NoSchedule",
-                            }
-                        ],
-                        "containers": [
-                            {
-                                "name": "trainer",
-                                "image": "tinylm:demo",
-                                "command": ["python", str(TRAIN), "--steps", str(cfg.steps)],
-                                "env": env,
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]},
-                                },
-                            }
-                        ],
-                    }
-                },
-            },
-        }
-
-    # -- observing
-
-    def status(self) -> dict[str, Any]:
-        assert self.cluster is not None
-        api = kubernetes.client.CustomObjectsApi(self.cluster.api)
-        obj = cast(
-            dict[str, Any], api.get_namespaced_custom_object(GROUP, VERSION, JOB_NS, PLURAL, JOB)
-        )
-        return dict(obj.get("status") or {})
-
-    def pods(self, attempt: int) -> list[Any]:
-        assert self.cluster is not None
-        core = kubernetes.client.CoreV1Api(self.cluster.api)
-        selector = f"baton.dev/job={JOB},baton.dev/attempt={attempt}"
-        return list(core.list_namespaced_pod(JOB_NS, label_selector=selector).items)
-
-    def events(self) -> list[str]:
-        assert self.cluster is not None
-        core = kubernetes.client.CoreV1Api(self.cluster.api)
-        items: list[Any] = core.list_namespaced_event(
-            JOB_NS, field_selector=f"involvedObject.name={JOB},involvedObject.kind=TrainingJob"
-        ).items
-        items.sort(
-            key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp)
-        )
-        return [f"{e.reason}: {e.message}" for e in items]
-
-    def diagnostics(self) -> str:
-        if self.cluster is None:
-            return ""
-        parts = []
-        for ns in (OPERATOR_NS, JOB_NS):
-            pods = self.cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False)
-            parts.append(f"--- pods in {ns}:\n{pods.stdout}{pods.stderr}")
-        logs = self.cluster.kubectl(
-            "logs", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/component=operator",
-            "--tail=40", check=False,
-        )  # fmt: skip
-        parts.append(f"--- operator log:\n{logs.stdout}{logs.stderr}")
-        with contextlib.suppress(Exception):
-            parts.append("--- events:\n" + "\n".join(self.events()))
-        return "\n".join(parts)
-
-    def steps_done(self) -> int:
-        steps = [int(e["step"]) for e in read_log(self.loss_log) if "loss" in e]
-        return steps[-1] if steps else 0
-
-    # -- the run
-
-    def _interrupt(self, rank: int, attempt: int) -> None:
-        assert self.cluster is not None
-        pods = [
-            p for p in self.pods(attempt) if p.metadata.labels.get("baton.dev/rank") == str(rank)
-        ]
-        if not pods or not pods[0].spec.node_name:
-            raise DemoError(f"no running pod of rank {rank} in attempt {attempt}")
-        node = pods[0].spec.node_name
-        step = self.steps_done()
-        kind = "kill-node" if self.cfg.kill_node else f"{self.cfg.provider} notice"
-        event = Interruption(kind=kind, node=node, rank=rank, at_step=step, injected_at=time.time())
-        if self.cfg.kill_node:
-            say(f"chaos: killing node {node} (rank {rank}) at step {step}, with no notice")
-            self.cluster.kill_node(node)
-        else:
-            grace = PROVIDER_GRACE[self.cfg.provider]
-            say(
-                f"chaos: preempt {node} (rank {rank}) at step {step}: "
-                f"{self.cfg.provider} notice, the machine is gone in {grace}s"
-            )
-            self.cluster.preempt(node, provider=self.cfg.provider, grace_s=grace)
-        event.injected_at = time.time()
-        self.interruptions.append(event)
-        # The cloud replaces lost spot capacity, as Karpenter or a node pool's autoscaler would.
-        thread = threading.Thread(target=self._replace_node, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def _replace_node(self) -> None:
-        assert self.cluster is not None
-        with contextlib.suppress(Exception):
-            node = self.cluster.add_node(spot=True)
-            self.cluster.kubectl("taint", "node", node, SPOT_TAINT, "--overwrite")
-            say(f"cluster: replacement spot node {node} is Ready")
-
-    def run_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        assert self.cluster is not None
-        cfg = self.cfg
-        self.loss_log.unlink(missing_ok=True)
-        watcher = threading.Thread(target=self._watch_notices, daemon=True)
-        watcher.start()
-        self._threads.append(watcher)
-        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
-        say(f"job: TrainingJob {JOB_NS}/{JOB} applied (2 replicas, {cfg.steps} steps)")
-        targets = [
-            max(cfg.every_steps + 3, round(cfg.steps * (k + 1) / (cfg.preemptions + 1)) - 2)
-            for k in range(cfg.preemptions)
-        ]
-        if cfg.kill_node:
-            # Halfway between two periodic checkpoints, so that steps are visibly lost.
-            targets = [t - t % cfg.every_steps + cfg.every_steps // 2 for t in targets]
-        began = time.monotonic()
-        last_phase, last_step, last_print = "", -1, 0.0
-        last_ok = time.monotonic()
-        status: dict[str, Any] = {}
-        while True:
-            if time.monotonic() - began > cfg.timeout:
-                raise DemoError(
-                    f"the job did not finish within {cfg.timeout:.0f}s\n{self.diagnostics()}"
-                )
-            try:
-                status = self.status()
-                last_ok = time.monotonic()
-            except Exception as e:  # the API server restarting, a dropped connection
-                if time.monotonic() - last_ok > 30:
-                    raise DemoError(f"the API server has not answered for 30s: {e}") from e
-            phase = str(status.get("phase", "Pending"))
-            attempt = int(status.get("attempt", 0))
-            step = self.steps_done()
-            now = time.monotonic()
-            if phase != last_phase:
-                self.phases.append((time.time(), phase, attempt))
-                extra = f" ({status.get('message')})" if status.get("message") else ""
-                say(f"job: phase {phase}, attempt {attempt}{extra}")
-                last_phase = phase
-            pending = self.interruptions[-1] if self.interruptions else None
-            if pending is not None:
-                last = status.get("lastCheckpoint") or {}
-                if attempt >= len(self.interruptions) and not pending.committed:
-                    pending.committed = dict(last)
-                    pending.last_step_before = step
-                if pending.resumed_step is None and not pending.committed and now - last_print > 2:
-                    waited = time.time() - pending.injected_at
-                    what = (
-                        "the operator to restart the job"
-                        if cfg.kill_node
-                        else "every rank to commit the checkpoint"
-                    )
-                    say(f"job: waiting for {what} ({waited:.0f}s since the {pending.kind})")
-                    last_print = now
-            if step // 10 != last_step // 10 or (step == cfg.steps and last_step != step):
-                say(f"train: step {step}/{cfg.steps}")
-                last_step = step
-            if phase in ("Succeeded", "Failed"):
-                break
-            k = len(self.interruptions)
-            ready = phase == "Running" and attempt == k and k < len(targets)
-            if ready and step >= targets[k]:
-                self._interrupt(rank=1 - k % 2, attempt=attempt)
-            time.sleep(0.5)
-        self.final_status = status
-        for event in self.interruptions:
-            self._fill_resume(event)
-            # The first notice the operator recorded after this interruption was injected.
-            seen = [n for t, n in sorted(self._notices.items()) if t >= event.injected_at - 5]
-            if seen:
-                event.notice = seen[0]
-        return status
-
-    def _watch_notices(self) -> None:
-        # status.notice lives only while the job is Checkpointing (often under a second), and
-        # the restart clears it: a watch sees every status the operator wrote, a poll may not.
-        assert self.cluster is not None
-        api = kubernetes.client.CustomObjectsApi(self.cluster.api)
-        while not self._stop.is_set():
-            try:
-                watch = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
-                stream = watch.stream(  # type: ignore[no-untyped-call]
-                    api.list_namespaced_custom_object, GROUP, VERSION, JOB_NS, PLURAL,
-                    field_selector=f"metadata.name={JOB}", timeout_seconds=5,
-                )  # fmt: skip
-                for event in stream:
-                    notice = (event["object"].get("status") or {}).get("notice") or {}
-                    received = _ts(notice.get("receivedAt"))
-                    if received is not None and notice.get("deadline"):
-                        self._notices.setdefault(received, dict(notice))
-            except Exception:  # the cluster stopping; the loop ends with _stop
-                time.sleep(0.5)
-
-    def _fill_resume(self, event: Interruption) -> None:
-        starts = [e for e in read_log(self.loss_log) if e.get("event") == "start"]
-        later = [s for s in starts if float(s["time"]) > event.injected_at]
-        if later:
-            event.resumed_step = int(later[0]["step"])
-            event.restore_seconds = float(later[0]["restore_seconds"])
-            event.resumed_at = float(later[0]["time"])
-        before = [
-            int(e["step"])
-            for e in read_log(self.loss_log)
-            if "loss" in e and float(e["time"]) < (event.resumed_at or float("inf"))
-        ]
-        event.last_step_before = max(before) if before else 0
-
-    def close(self) -> None:
-        self._stop.set()
-        say("cleanup: stopping the cluster and the S3 server")
-        if self.cluster is not None:
-            try:
-                self.cluster.stop()
-            except Exception as e:  # report and carry on cleaning
-                say(f"cleanup: {e}")
-            self.cluster = None
-        if self.s3 is not None:
-            self.s3.stop()
-            self.s3 = None
-
-
-# --------------------------------------------------------------------------- report
+# --------------------------------------------------------------------------- the report
 
 
 def _fmt(value: float | None, unit: str = "s") -> str:
     return "n/a" if value is None else f"{value:.1f} {unit}".strip()
 
 
-def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any], str]:
-    cfg = demo.cfg
-    log = read_log(demo.loss_log)
-    done = [e for e in log if e.get("event") == "done"]
-    sha = str(done[-1]["sha256"]) if done else None
-    status = demo.final_status
-    rows: list[dict[str, Any]] = []
-    for i, ev in enumerate(demo.interruptions, 1):
-        notice, commit = ev.notice, ev.committed
-        received = _ts(notice.get("receivedAt"))
-        deadline = _ts(notice.get("deadline"))
-        completed = _ts(commit.get("completedAt")) if commit.get("trigger") == "notice" else None
-        lost = None
-        if ev.resumed_step is not None:
-            lost = max(0, ev.last_step_before - ev.resumed_step)
-        rows.append(
-            {
-                "n": i,
-                "kind": ev.kind,
-                "node": ev.node,
-                "rank": ev.rank,
-                "at_step": ev.at_step,
-                "notice_source": notice.get("source"),
-                "notice_lead_s": (deadline - received) if deadline and received else None,
-                "notice_seen_after_s": (received - ev.injected_at) if received else None,
-                "notice_to_commit_s": (completed - received) if completed and received else None,
-                "sdk_save_s": commit.get("seconds") if completed else None,
-                "margin_s": (deadline - completed) if deadline and completed else None,
-                "checkpoint_step": commit.get("step"),
-                "checkpoint_trigger": commit.get("trigger"),
-                "last_step_before": ev.last_step_before,
-                "resumed_step": ev.resumed_step,
-                "steps_lost": lost,
-                "restore_s": ev.restore_seconds,
-                "downtime_s": (ev.resumed_at - ev.injected_at) if ev.resumed_at else None,
-            }
-        )
-    # The operator's own notice-to-commit figure (its status times are whole seconds).
-    for r in rows:
-        for e in demo.saved_events:
-            m = re.search(r"committed step (\d+) ([\d.]+)s after the notice", e)
-            if m and r["checkpoint_trigger"] == "notice" and int(m[1]) == r["checkpoint_step"]:
-                r["notice_to_commit_s"] = float(m[2])
-                if r["notice_lead_s"] is not None:
-                    r["margin_s"] = r["notice_lead_s"] - float(m[2])
-    steps_lost = sum(r["steps_lost"] or 0 for r in rows)
-    equal = sha is not None and sha == ref_sha
-    data = {
-        "provider": cfg.provider,
-        "kill_node": cfg.kill_node,
-        "storage": cfg.storage,
-        "steps": cfg.steps,
-        "phase": status.get("phase"),
-        "preemptions": status.get("preemptions"),
-        "failures": status.get("failures"),
-        "interruptions": rows,
-        "steps_lost": steps_lost,
-        "sha256": sha,
-        "reference_sha256": ref_sha,
-        "bitwise_equal": equal,
-        "wall_seconds": time.monotonic() - started,
-    }
+def report(cfg: DemoConfig, data: dict[str, Any], events: list[str]) -> str:
+    """``report.md``: one row per interruption, then the verdict and the job's Events."""
     lines = [
         "# Baton demo report",
         "",
@@ -709,14 +138,14 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
         f"in {'S3 (versitygw server)' if cfg.storage == 's3' else 'the local filesystem'}",
         f"- interruption: {'kill-node (no notice)' if cfg.kill_node else cfg.provider + ' notice'}"
         f" x {cfg.preemptions}",
-        f"- final phase: **{status.get('phase')}** (preemptions {status.get('preemptions')}, "
-        f"failures {status.get('failures')})",
+        f"- final phase: **{data['phase']}** (preemptions {data['preemptions']}, "
+        f"failures {data['failures']})",
         "",
         "| # | what | node (rank) | at step | notice lead | notice to commit | SDK save | "
         "margin left | checkpoint | resumed at | steps lost | restore | downtime |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in data["interruptions"]:
         ckpt = f"step {r['checkpoint_step']} ({r['checkpoint_trigger']})"
         lines.append(
             f"| {r['n']} | {r['kind']} | {r['node']} ({r['rank']}) | {r['at_step']} | "
@@ -724,12 +153,12 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
             f"{_fmt(r['sdk_save_s'])} | {_fmt(r['margin_s'])} | {ckpt} | {r['resumed_step']} | "
             f"{r['steps_lost']} | {_fmt(r['restore_s'])} | {_fmt(r['downtime_s'])} |"
         )
-    verdict = "BITWISE EQUAL" if equal else "DIFFERENT"
+    verdict = "BITWISE EQUAL" if data["bitwise_equal"] else "DIFFERENT"
     lines += [
         "",
-        f"- steps lost in total: **{steps_lost}**",
-        f"- final weights sha256: `{sha}`",
-        f"- reference sha256:     `{ref_sha}` (the same job, never interrupted)",
+        f"- steps lost in total: **{data['steps_lost']}**",
+        f"- final weights sha256: `{data['sha256']}`",
+        f"- reference sha256:     `{data['reference_sha256']}` (the same job, never interrupted)",
         f"- verdict: **{verdict}**",
         f"- wall time of the demo: {data['wall_seconds']:.0f} s",
         "",
@@ -742,65 +171,16 @@ def summarize(demo: Demo, ref_sha: str, started: float) -> tuple[dict[str, Any],
         "Events of the TrainingJob:",
         "",
     ]
-    lines += [f"    {e}" for e in demo.saved_events]
+    lines += [f"    {e}" for e in events]
     lines += ["", "![loss](loss.png)", ""]
-    return data, "\n".join(lines)
-
-
-def plot(demo: Demo, ref_log: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    ref = [e for e in ref_log if "loss" in e]
-    ax.plot(
-        [e["step"] for e in ref], [e["loss"] for e in ref],
-        color="0.6", linewidth=5, alpha=0.6, label="reference (never interrupted)",
-    )  # fmt: skip
-    log = [e for e in read_log(demo.loss_log) if "loss" in e]
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
-    for attempt in sorted({str(e["attempt"]) for e in log}, key=int):
-        part = [e for e in log if str(e["attempt"]) == attempt]
-        ax.plot(
-            [e["step"] for e in part], [e["loss"] for e in part],
-            color=colors[int(attempt) % len(colors)], linewidth=1.4,
-            label=f"demo job, attempt {attempt}",
-        )  # fmt: skip
-    for ev in demo.interruptions:
-        ax.axvline(ev.at_step, color="red", linestyle="--", linewidth=1)
-        ax.annotate(
-            f"{ev.kind}\n({ev.node})", (ev.at_step, 1), xycoords=("data", "axes fraction"),
-            xytext=(-4, -4), textcoords="offset points", ha="right", va="top", color="red",
-            fontsize=8,
-        )  # fmt: skip
-        if ev.resumed_step is not None and ev.last_step_before > ev.resumed_step:
-            ax.axvspan(
-                ev.resumed_step, ev.last_step_before, color="orange", alpha=0.15,
-                label=f"steps {ev.resumed_step + 1}-{ev.last_step_before} trained twice",
-            )  # fmt: skip
-        if ev.resumed_step is not None:
-            ax.axvline(ev.resumed_step, color="green", linestyle=":", linewidth=1.2)
-            ax.annotate(
-                f"resumed at {ev.resumed_step}", (ev.resumed_step, 0.75),
-                xycoords=("data", "axes fraction"), xytext=(4, 0), textcoords="offset points",
-                color="green", fontsize=8,
-            )  # fmt: skip
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (rank 0)")
-    ax.set_title("tinylm on 2 spot ranks: interrupted run over the uninterrupted reference")
-    ax.legend(loc="upper right", bbox_to_anchor=(1.0, 0.7), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
 
 
 def parse(argv: list[str] | None) -> DemoConfig:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--provider", choices=sorted(PROVIDER_GRACE), default="aws")
     p.add_argument("--preemptions", type=int, default=1)
     p.add_argument("--kill-node", action="store_true", help="lose the node with no notice")
@@ -822,48 +202,15 @@ def parse(argv: list[str] | None) -> DemoConfig:
     )  # fmt: skip
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
-    started = time.monotonic()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    demo = Demo(cfg)
-    demo.out.mkdir(parents=True, exist_ok=True)
-    try:
-        demo.build()
-        demo.start_cluster()
-        demo.namespaces()
-        uri, storage_env = demo.start_storage()
-        demo.install_operator()
-        demo.run_job(demo.job_manifest(uri, storage_env))
-        demo.saved_events = demo.events()
-        (demo.out / "events.txt").write_text("\n".join(demo.saved_events) + "\n")
-        demo.close()  # frees the CPU for the reference run
-        ref_sha, ref_log = reference_run(cfg)
-        data, report = summarize(demo, ref_sha, started)
-        plot(demo, ref_log, demo.out / "loss.png")
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    except DemoError as e:
-        say(f"error: {e}")
-        return 1
-    finally:
-        demo.close()
-    (demo.out / "report.md").write_text(report)
-    (demo.out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
-    print("\n" + report)
-    say(f"report: {demo.out / 'report.md'}, plot: {demo.out / 'loss.png'}")
-    ok = data["phase"] == "Succeeded" and data["bitwise_equal"]
-    if not ok:
-        say(
-            "FAILED: "
-            + ("the job did not Succeed" if data["phase"] != "Succeeded" else "weights differ")
-        )
-    return 0 if ok else 1
+    return run_demo(
+        cfg,
+        job=partial(tinylm_job, cfg),
+        at_steps=interruption_steps(cfg),
+        interrupt=partial(interrupt, cfg),
+        report=report,
+    )
 
 
 if __name__ == "__main__":
