@@ -139,27 +139,47 @@ class Kube:
         return cast(dict[str, Any], job)
 
     @_needs(crd.GROUP, f"{crd.PLURAL}/status", "patch")
-    async def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Merge ``status`` into the TrainingJob's status subresource."""
+    async def patch_job_status(
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> str | None:
+        """Merge ``status`` into the TrainingJob's status subresource; return the object's new
+        resourceVersion (None when the job is gone, or the answer carried none).
+
+        With ``resource_version`` the write is guarded: the API server applies it only to that
+        version of the object, and a job changed since it was read raises
+        :class:`KubeConflictError` (read afresh and decide again; never resend). Without it the
+        merge is applied to whatever is there, retried on a 409.
+        """
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         for attempt in range(_CONFLICT_RETRIES):
             try:
-                await asyncio.to_thread(
+                answer = await asyncio.to_thread(
                     self._custom.patch_namespaced_custom_object_status,
                     crd.GROUP,
                     crd.VERSION,
                     namespace,
                     crd.PLURAL,
                     name,
-                    {"status": status},
+                    body,
                 )
-                return
             except ApiException as e:
-                if e.status == 409 and attempt + 1 < _CONFLICT_RETRIES:
+                guarded = resource_version is not None
+                if e.status == 409 and not guarded and attempt + 1 < _CONFLICT_RETRIES:
                     await asyncio.sleep(0.2 * (attempt + 1))
                     continue
                 if e.status == 404:
-                    return
+                    return None
                 raise _translate(e, f"patching TrainingJob {namespace}/{name} status") from e
+            version = ((answer or {}).get("metadata") or {}).get("resourceVersion")
+            return None if version is None else str(version)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @_needs("", "pods", "list")
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:

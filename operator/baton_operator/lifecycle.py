@@ -11,6 +11,7 @@ Phases::
        └──── new attempt created ◀── Restarting ◀──────────┘
     Running ──every rank exited 0──▶ Succeeded
     any ──budget exhausted──▶ Failed
+    (new) ──template refused, or the API server rejects its objects──▶ Failed
 
 A preemption (a notice the operator acted on, or a rank that exited after an emergency save)
 and a failure (a crash, an unannounced node loss) are counted separately, against
@@ -26,8 +27,8 @@ from enum import StrEnum
 from typing import Final
 
 from .model import JobSpec
+from .reports import SidecarStatus
 from .settings import EMERGENCY_EXIT_CODE
-from .sidecars import SidecarStatus
 from .vocabulary import SaveState
 
 __all__ = [
@@ -41,8 +42,10 @@ __all__ = [
     "backoff_seconds",
     "check_transition",
     "checkpoint_verdict",
+    "clamp_deadline",
     "classify",
     "elastic_replicas",
+    "moves_at_once",
     "plan_restart",
 ]
 
@@ -74,10 +77,14 @@ ALLOWED: Final[Mapping[Phase, frozenset[Phase]]] = {
 
 
 def check_transition(current: Phase | None, new: Phase) -> Phase:
-    """Return ``new`` if the machine allows ``current -> new``; raise ValueError otherwise."""
+    """Return ``new`` if the machine allows ``current -> new``; raise ValueError otherwise.
+
+    A new job (no phase yet) starts Pending, or fails at once when its pod template is refused
+    or the API server rejects its objects before anything ran.
+    """
     if current is None:
-        if new is not Phase.PENDING:
-            raise ValueError(f"a new TrainingJob starts Pending, not {new}")
+        if new not in (Phase.PENDING, Phase.FAILED):
+            raise ValueError(f"a new TrainingJob starts Pending (or Failed), not {new}")
         return new
     if new is current:
         return new
@@ -181,6 +188,25 @@ def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
     if len(ordered) == replicas and all(r.running or r.exit_code == 0 for r in ordered):
         return Outcome.RUNNING, f"all {replicas} ranks are running"
     return Outcome.PENDING, "waiting for pods to start"
+
+
+def moves_at_once(phase: Phase) -> bool:
+    """Whether a notice moves the job without a checkpoint request first.
+
+    Before the attempt is Running nothing has trained since the last commit, so there is
+    nothing to save: the job moves to other nodes at once, resuming from that commit.
+    """
+    return phase is not Phase.RUNNING
+
+
+def clamp_deadline(deadline: datetime, *, now: datetime, least: timedelta) -> datetime:
+    """``deadline``, moved to ``now + least`` when it is closer (or already past).
+
+    The one place a deadline is clamped: the controller gives a notice at least the
+    operator's ``minCheckpointWindowSeconds``; the sidecar client gives every request at least
+    ``sidecars.MIN_LEAD`` (the sidecar refuses deadlines in the past).
+    """
+    return max(deadline, now + least)
 
 
 def backoff_seconds(failures: int, *, base: float, ceiling: float) -> float:

@@ -7,7 +7,6 @@ the HTTP status, never the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Final
@@ -15,7 +14,8 @@ from typing import Any, Final
 import aiohttp
 
 from .errors import SidecarUnreachableError
-from .vocabulary import SaveState
+from .lifecycle import clamp_deadline
+from .reports import SidecarStatus
 
 __all__ = ["MIN_LEAD", "SidecarClient", "SidecarStatus"]
 
@@ -24,51 +24,6 @@ MIN_LEAD: Final = timedelta(seconds=2)
 after its own deadline (the operator was slow or restarting); the sidecar refuses deadlines in
 the past, so such a request would save nothing. With a short lead the SDK still decides
 honestly, from its save-time estimate, whether to save or to report ``skipped``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SidecarStatus:
-    """``GET /v1/status`` of one sidecar (the SDK's report, relayed)."""
-
-    state: str
-    """idle, requested, saving, committed, failed or skipped."""
-    step: int | None = None
-    """The step of the current request's save (when committed: the committed step)."""
-    uri: str | None = None
-    seconds: float | None = None
-    error: str | None = None
-    request_id: str | None = None
-    trigger: str | None = None
-    last_committed_step: int | None = None
-    """The newest step this rank knows committed (periodic saves included)."""
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SidecarStatus:
-        """Parse the sidecar's JSON; missing optional fields become None."""
-
-        def opt_int(key: str) -> int | None:
-            value = raw.get(key)
-            return None if value is None else int(value)
-
-        seconds = raw.get("seconds")
-        return cls(
-            state=str(raw.get("state", SaveState.IDLE)),
-            step=opt_int("step"),
-            uri=raw.get("uri"),
-            seconds=None if seconds is None else float(seconds),
-            error=raw.get("error"),
-            request_id=raw.get("request_id"),
-            trigger=raw.get("trigger"),
-            last_committed_step=opt_int("last_committed_step"),
-        )
-
-    @property
-    def committed_step(self) -> int | None:
-        """The newest committed step this status proves, if any."""
-        steps = [s for s in (self.last_committed_step,) if s is not None]
-        if self.state == SaveState.COMMITTED and self.step is not None:
-            steps.append(self.step)
-        return max(steps) if steps else None
 
 
 class SidecarClient:
@@ -133,7 +88,7 @@ class SidecarClient:
 
         A deadline closer than :data:`MIN_LEAD` (or already past) is moved to now + MIN_LEAD.
         """
-        deadline = max(deadline, datetime.now(tz=UTC) + MIN_LEAD)
+        deadline = clamp_deadline(deadline, now=datetime.now(tz=UTC), least=MIN_LEAD)
         data = await self._call(
             "POST",
             ip,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator.controller import ClusterView, JobMemory, _answers
+from baton_operator.controller import ClusterView, JobMemory
+from baton_operator.reports import answers
 from baton_operator.settings import OperatorConfig
 from baton_operator.sidecars import SidecarStatus
 
@@ -54,11 +55,11 @@ def test_only_a_save_for_a_notice_answers_a_request() -> None:
     ours = SidecarStatus(state="committed", step=12, trigger="notice", request_id="r1")
     signal = SidecarStatus(state="committed", step=12, trigger="signal")
     requested = SidecarStatus(state="requested", request_id="r1")
-    assert not _answers(periodic, "r1")
-    assert _answers(ours, "r1")
-    assert _answers(signal, "r1"), "SIGTERM and the request are served by one save"
-    assert not _answers(requested, "r1")
-    assert _answers(ours, ""), "when the POST got no id, a notice save still answers"
+    assert not answers(periodic, "r1")
+    assert answers(ours, "r1")
+    assert answers(signal, "r1"), "SIGTERM and the request are served by one save"
+    assert not answers(requested, "r1")
+    assert answers(ours, ""), "when the POST got no id, a notice save still answers"
 
 
 def test_memory_tells_a_served_notice_and_forgets_old_attempts() -> None:

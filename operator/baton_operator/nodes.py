@@ -1,0 +1,79 @@
+"""What the Node watch has told the operator: each node's readiness and notices.
+
+Pure state (no I/O): the kopf Node handler feeds it, the controller and the pod decisions
+(``pods.py``) read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from .notices import Notice, node_notices, parse_time
+from .settings import OperatorConfig
+
+__all__ = ["ClusterView"]
+
+
+@dataclass
+class _Node:
+    ready: bool
+    not_ready_since: datetime | None
+    notices: list[Notice]
+
+
+@dataclass
+class ClusterView:
+    """What the Node watch has told us: readiness and notices per node."""
+
+    config: OperatorConfig
+    nodes: dict[str, _Node] = field(default_factory=dict)
+    deleted: set[str] = field(default_factory=set)
+
+    def update_node(self, body: Mapping[str, Any], *, now: datetime) -> list[Notice]:
+        """Record a Node; return the notices that are new on it (for Events and metrics)."""
+        name = str((body.get("metadata") or {}).get("name", ""))
+        ready = False
+        since: datetime | None = None
+        for cond in (body.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Ready":
+                ready = cond.get("status") == "True"
+                since = None if ready else (parse_time(cond.get("lastTransitionTime")) or now)
+        found = node_notices(body, now=now, graces=self.config.graces)
+        old = self.nodes.get(name)
+        # Keep the first-seen deadline of a notice: a re-list after an operator restart must
+        # not push it later.
+        known = {n.source: n for n in old.notices} if old else {}
+        merged = [known.get(n.source, n) for n in found]
+        fresh = [n for n in found if n.source not in known]
+        self.nodes[name] = _Node(ready=ready, not_ready_since=since, notices=merged)
+        self.deleted.discard(name)
+        return fresh
+
+    def remove_node(self, name: str) -> None:
+        """A Node object was deleted: whatever ran there is lost."""
+        self.nodes.pop(name, None)
+        self.deleted.add(name)
+
+    def notices_on(self, node: str) -> list[Notice]:
+        """The current notices of one node."""
+        info = self.nodes.get(node)
+        return list(info.notices) if info else []
+
+    def node_lost(self, node: str | None, *, now: datetime) -> bool:
+        """The node was deleted, or has not been Ready for ``node_lost_seconds``."""
+        if not node:
+            return False
+        if node in self.deleted:
+            return True
+        info = self.nodes.get(node)
+        if info is None or info.ready or info.not_ready_since is None:
+            return False
+        return now - info.not_ready_since >= timedelta(seconds=self.config.node_lost_seconds)
+
+    def node_ready(self, node: str | None) -> bool:
+        """Whether the node is known and Ready."""
+        info = self.nodes.get(node or "")
+        return bool(info and info.ready)

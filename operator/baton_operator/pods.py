@@ -1,0 +1,179 @@
+"""A typed view of one of a job's pods, and the decisions the controller takes about pods.
+
+Pure. The controller lists the job's pods, parses each once into a :class:`PodView`, and asks
+here: which notice (if any) the current attempt must serve (:func:`notice_for`), which nodes
+to avoid after it (:func:`noticed_nodes`), how to delete a pod (:func:`delete_grace`), and what
+the state machine sees of each rank (:func:`rank_view`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from . import manifests
+from .jobstatus import JobStatus
+from .lifecycle import RankView
+from .nodes import ClusterView
+from .notices import Graces, Notice, earliest, pod_notice
+
+__all__ = ["PodView", "delete_grace", "notice_for", "noticed_nodes", "rank_view"]
+
+_FINISHED = ("Succeeded", "Failed")
+
+
+def _label_int(labels: Mapping[str, Any], key: str) -> int:
+    try:
+        return int(labels.get(key, -1))
+    except ValueError:
+        return -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodView:
+    """The parts of a pod the operator reads (``body`` is kept for the notice parsers)."""
+
+    name: str
+    rank: int
+    """From the rank label; -1 when it is missing or not a number."""
+    attempt: int
+    """From the attempt label; -1 when it is missing or not a number."""
+    node: str | None
+    ip: str | None
+    phase: str
+    deleting: bool
+    """The pod has a ``deletionTimestamp``."""
+    trainer_running: bool
+    trainer_exit_code: int | None
+    """The trainer container's exit code once it terminated."""
+    unschedulable: bool
+    """``PodScheduled`` is False for reason Unschedulable."""
+    body: Mapping[str, Any]
+
+    @property
+    def finished(self) -> bool:
+        """The pod itself ended (Succeeded or Failed)."""
+        return self.phase in _FINISHED
+
+    @classmethod
+    def from_body(cls, pod: Mapping[str, Any]) -> PodView:
+        """Parse a pod as the API returns it."""
+        meta: Mapping[str, Any] = pod.get("metadata") or {}
+        spec: Mapping[str, Any] = pod.get("spec") or {}
+        status: Mapping[str, Any] = pod.get("status") or {}
+        labels: Mapping[str, Any] = meta.get("labels") or {}
+        running, exit_code = False, None
+        for cs in status.get("containerStatuses") or []:
+            if cs.get("name") != manifests.TRAINER_NAME:
+                continue
+            state = cs.get("state") or {}
+            if "terminated" in state:
+                exit_code = int(state["terminated"].get("exitCode", 1))
+            else:
+                running = "running" in state
+            break
+        unschedulable = any(
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+            for c in status.get("conditions") or []
+        )
+        return cls(
+            name=str(meta.get("name", "")),
+            rank=_label_int(labels, manifests.RANK_LABEL),
+            attempt=_label_int(labels, manifests.ATTEMPT_LABEL),
+            node=spec.get("nodeName") or None,
+            ip=status.get("podIP") or None,
+            phase=str(status.get("phase", "Pending")),
+            deleting=bool(meta.get("deletionTimestamp")),
+            trainer_running=running,
+            trainer_exit_code=exit_code,
+            unschedulable=unschedulable,
+            body=pod,
+        )
+
+
+def notice_for(
+    pods: Iterable[PodView], cluster: ClusterView, *, now: datetime, graces: Graces
+) -> Notice | None:
+    """The earliest notice the attempt must serve, if any.
+
+    A pod that finished or was never placed has nothing to save. A node's notices count; a
+    pod's ``DisruptionTarget`` counts only while its node is Ready: on a node that is not, it
+    is the node's loss being cleaned up (taint eviction), handled as a failure.
+    """
+    found: list[Notice] = []
+    for pod in pods:
+        if pod.finished or not pod.node:
+            continue
+        found.extend(cluster.notices_on(pod.node))
+        pn = pod_notice(pod.body, now=now, graces=graces)
+        if pn is not None and cluster.node_ready(pod.node):
+            found.append(pn)
+    return earliest(found)
+
+
+def noticed_nodes(
+    pods: Iterable[PodView], cluster: ClusterView, *, now: datetime, graces: Graces
+) -> list[str]:
+    """The nodes of ``pods`` that carry a notice (their own, or one of their pods'), sorted."""
+    return sorted(
+        {
+            p.node
+            for p in pods
+            if p.node and (cluster.notices_on(p.node) or pod_notice(p.body, now=now, graces=graces))
+        }
+    )
+
+
+def delete_grace(
+    pod: PodView, cluster: ClusterView, *, now: datetime, grace_seconds: int
+) -> int | None:
+    """The grace period to delete ``pod`` with, or None to leave it (already going, gracefully).
+
+    A pod on a lost node never finishes a graceful delete (no kubelet to confirm): it is
+    removed at once (0); its replacement has another name and another node.
+    """
+    lost = cluster.node_lost(pod.node, now=now)
+    if pod.deleting and not lost:
+        return None
+    return 0 if lost else grace_seconds
+
+
+def rank_view(
+    rank: int,
+    pod: PodView | None,
+    *,
+    job: str,
+    status: JobStatus,
+    cluster: ClusterView,
+    now: datetime,
+    graces: Graces,
+    served_notice: bool,
+    committed_notice: bool,
+) -> RankView:
+    """What the state machine sees of one rank of the current attempt."""
+    name = manifests.pod_name(job, status.attempt, rank)
+    if pod is None:
+        # Missing is only a fault once the attempt's pods were all created (masterAddr is
+        # recorded after that); before, the pod simply does not exist yet.
+        return RankView(
+            rank=rank, pod=name, exists=not status.master_addr, served_notice=served_notice
+        )
+    return RankView(
+        rank=rank,
+        pod=pod.name or name,
+        phase=pod.phase,
+        node=pod.node,
+        ip=pod.ip,
+        exit_code=pod.trainer_exit_code,
+        running=pod.trainer_running,
+        unschedulable=pod.unschedulable,
+        node_lost=cluster.node_lost(pod.node, now=now),
+        deleting=pod.deleting,
+        disrupted=pod.deleting or pod_notice(pod.body, now=now, graces=graces) is not None,
+        served_notice=served_notice,
+        committed_notice=committed_notice,
+    )

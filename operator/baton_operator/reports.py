@@ -1,0 +1,107 @@
+"""What a sidecar reports (``GET /v1/status``), as data, and what the operator reads into it.
+
+Pure: the HTTP client (``sidecars.py``) parses answers into :class:`SidecarStatus`; the state
+machine (``lifecycle.py``) and the controller judge them with the functions here. Kept apart
+from the client so that the pure layer never imports the code that talks to a sidecar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .model import LastCheckpoint
+from .vocabulary import EMERGENCY_TRIGGERS, SaveState
+
+__all__ = ["SidecarStatus", "answers", "committed_notice", "fallback_step", "served_notice"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarStatus:
+    """``GET /v1/status`` of one sidecar (the SDK's report, relayed)."""
+
+    state: str
+    """idle, requested, saving, committed, failed or skipped."""
+    step: int | None = None
+    """The step of the current request's save (when committed: the committed step)."""
+    uri: str | None = None
+    seconds: float | None = None
+    error: str | None = None
+    request_id: str | None = None
+    trigger: str | None = None
+    last_committed_step: int | None = None
+    """The newest step this rank knows committed (periodic saves included)."""
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SidecarStatus:
+        """Parse the sidecar's JSON; missing optional fields become None."""
+
+        def opt_int(key: str) -> int | None:
+            value = raw.get(key)
+            return None if value is None else int(value)
+
+        seconds = raw.get("seconds")
+        return cls(
+            state=str(raw.get("state", SaveState.IDLE)),
+            step=opt_int("step"),
+            uri=raw.get("uri"),
+            seconds=None if seconds is None else float(seconds),
+            error=raw.get("error"),
+            request_id=raw.get("request_id"),
+            trigger=raw.get("trigger"),
+            last_committed_step=opt_int("last_committed_step"),
+        )
+
+    @property
+    def committed_step(self) -> int | None:
+        """The newest committed step this status proves, if any."""
+        steps = [s for s in (self.last_committed_step,) if s is not None]
+        if self.state == SaveState.COMMITTED and self.step is not None:
+            steps.append(self.step)
+        return max(steps) if steps else None
+
+
+def _for_a_notice(report: SidecarStatus) -> bool:
+    return report.trigger in EMERGENCY_TRIGGERS or bool(report.request_id)
+
+
+def committed_notice(report: SidecarStatus | None) -> bool:
+    """The rank's sidecar reported a *committed* save for a notice or a signal: the
+    checkpoint holds every rank's shards, whatever exit code the trainer (or torchrun, which
+    turns a worker's 75 into 1) ends with."""
+    return report is not None and report.state == SaveState.COMMITTED and _for_a_notice(report)
+
+
+def served_notice(report: SidecarStatus | None) -> bool:
+    """The rank's SDK reported serving a notice (a save for a request or a signal)."""
+    return (
+        report is not None
+        and report.state in (SaveState.COMMITTED, SaveState.SKIPPED)
+        and _for_a_notice(report)
+    )
+
+
+def answers(report: SidecarStatus, request_id: str) -> bool:
+    """Whether a sidecar report is about the save serving this notice.
+
+    Our request's id, or an emergency save (a signal or another notice: the SDK serves all
+    pending notices with one save). A periodic save's report is never the answer.
+    """
+    if report.state in (SaveState.IDLE, SaveState.REQUESTED):
+        return False
+    if request_id and report.request_id == request_id:
+        return True
+    return report.trigger in EMERGENCY_TRIGGERS
+
+
+def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus]) -> int | None:
+    """The newest step known committed: the job's ``lastCheckpoint`` or any rank's report.
+
+    Any rank's ``committed`` proves the manifest is written (the manifest is the commit of
+    every rank's shards), so this is the step a restart resumes from when a notice's own save
+    did not complete; None when nothing was ever committed (start from scratch).
+    """
+    steps = [last.step] if last is not None else []
+    steps.extend(s for r in reports if (s := r.committed_step) is not None)
+    return max(steps) if steps else None

@@ -1,0 +1,52 @@
+"""How the controller writes: guarded status patches and best-effort Events.
+
+Every status write is guarded by the ``resourceVersion`` the tick read (or its own last write
+returned). If anyone else changed the job in between (a second operator, a user's edit, an
+API-fault report), the API server answers 409 and :class:`errors.KubeConflictError` ends the
+tick, which starts again from a fresh read and decides anew: a write that must not be lost
+(an attempt increment, a committed step) is never applied on top of a status it never saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from .jobstatus import StatusPatch
+from .kube import Kube
+from .tick import Tick
+
+__all__ = ["EventPoster", "StatusWriter"]
+
+_log = logging.getLogger(__name__)
+
+EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
+"""``post(job_body, type, reason, message)``: posts a Kubernetes Event about the job."""
+
+
+class StatusWriter:
+    """Writes a tick's status patches and Events."""
+
+    def __init__(self, kube: Kube, post_event: EventPoster) -> None:
+        self._kube = kube
+        self._post = post_event
+
+    async def patch(self, t: Tick, patch: StatusPatch) -> None:
+        """Write ``patch``, guarded by the resourceVersion ``t`` holds; ``t`` follows it."""
+        t.version = await self._kube.patch_job_status(
+            t.spec.namespace, t.spec.name, patch.render(), resource_version=t.version
+        )
+        phase = patch.new_phase
+        if phase is not None:
+            t.status = replace(t.status, phase=phase)
+
+    async def event(self, job: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """Post an Event (best effort: a failure is logged, never raised)."""
+        _log.info("%s/%s: %s: %s", job["metadata"]["namespace"], job["metadata"]["name"],
+                  reason, message)  # fmt: skip
+        try:
+            await self._post(job, kind, reason, message)
+        except Exception:  # an Event is best effort; never let it stop the reconcile
+            _log.warning("could not post Event %s", reason, exc_info=False)
