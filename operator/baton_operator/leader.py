@@ -27,10 +27,12 @@ RBAC permissions in :data:`PERMISSIONS` (rbac.py grants them in the operator's n
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -67,13 +69,25 @@ def _micro_time(t: datetime) -> str:
 
 
 class LeaseClient:
-    """get / create / update of one Lease, with a request timeout on every call."""
+    """get / create / update of one Lease, with a request timeout on every call.
+
+    The calls run on a thread of their own, not on asyncio's shared default executor: there a
+    renewal would queue behind the reconcilers' blocking API and sidecar calls, and on a busy
+    machine miss its deadline, and the active operator would stop for nothing.
+    """
 
     def __init__(self, api_client: Any, *, namespace: str, name: str, timeout: float) -> None:
         self._api: Any = k8s_client.CoordinationV1Api(api_client)
         self.namespace = namespace
         self.name = name
         self._timeout = timeout
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
+
+    async def _call(self, call: Callable[..., Any], *args: Any) -> Any:
+        request = functools.partial(
+            call, *args, _preload_content=False, _request_timeout=self._timeout
+        )
+        return await asyncio.get_running_loop().run_in_executor(self._thread, request)
 
     def _what(self) -> str:
         return f"Lease {self.namespace}/{self.name}"
@@ -81,13 +95,7 @@ class LeaseClient:
     async def get(self) -> dict[str, Any] | None:
         """The Lease as a dict, or None when there is none."""
         try:
-            resp = await asyncio.to_thread(
-                self._api.read_namespaced_lease,
-                self.name,
-                self.namespace,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
+            resp = await self._call(self._api.read_namespaced_lease, self.name, self.namespace)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -106,9 +114,7 @@ class LeaseClient:
     async def _write(self, doing: str, call: Callable[..., Any], *args: Any) -> bool:
         """One create or guarded replace; False when another operator wrote first (409)."""
         try:
-            await asyncio.to_thread(
-                call, *args, _preload_content=False, _request_timeout=self._timeout
-            )
+            await self._call(call, *args)
         except ApiException as e:
             if e.status == 409:
                 return False
