@@ -104,15 +104,40 @@ def _wait_operator_ready(
         check=False, timeout=200,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + _diagnostics(cluster, [namespace])
-    pods = _json(cluster, "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/name")["items"]
+
+    def list_pods() -> list[dict[str, Any]]:
+        selector = ("-l", "app.kubernetes.io/name")
+        items: list[dict[str, Any]] = _json(cluster, "get", "pods", "-n", namespace, *selector)[
+            "items"
+        ]
+        return items
+
+    def all_ready(pods: list[dict[str, Any]]) -> bool:
+        return len(pods) == replicas and all(
+            s["ready"] for p in pods for s in p["status"].get("containerStatuses") or [{"ready": 0}]
+        )
+
+    # `rollout status` saw every replica available once; an operator that lost its Lease on a
+    # loaded machine exits and is restarted (leader.py), so wait (bounded) for all to be Ready.
+    deadline = time.monotonic() + 120
+    pods = list_pods()
+    while not all_ready(pods) and time.monotonic() < deadline:
+        time.sleep(1)
+        pods = list_pods()
+    states = {
+        p["metadata"]["name"]: [
+            (s["ready"], s["restartCount"]) for s in p["status"].get("containerStatuses") or []
+        ]
+        for p in pods
+    }
     # The chart's two replicas (one active through the Lease, one standing by), all Ready.
-    assert len(pods) == replicas, [p["metadata"]["name"] for p in pods]
+    assert all_ready(pods), f"(ready, restarts) per pod: {states}" + _diagnostics(
+        cluster, [namespace]
+    )
     for pod in pods:
         assert pod["status"]["phase"] == "Running"
         # Run by a node agent as a local process, and admitted under "restricted".
         assert pod["spec"]["nodeName"]
-        (status,) = pod["status"]["containerStatuses"]
-        assert status["ready"] is True
         assert pod["spec"]["containers"][0]["command"] == ["baton-operator"]
     names = {p["metadata"]["name"] for p in pods}
     deadline = time.monotonic() + 60
