@@ -1,0 +1,540 @@
+"""The reconciler's decisions, tick by tick, against a fake of the client layer (no cluster).
+
+The fake stands in for exactly the two classes that do I/O (``kube.Kube`` and
+``sidecars.SidecarClient``); everything above them is the real code: the controller, the
+creator, the guarded writer, the pure layer, the metrics. The fake API keeps a
+``resourceVersion`` and refuses a guarded write against an old one with a conflict, as the API
+server does; pods are "run" by the test, as a kubelet would. The same paths run for real in
+the cluster tests (test_preemption_cluster.py, test_lifecycle_cluster.py); these say which
+decision is taken, and why, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+from baton_operator import manifests
+from baton_operator.controller import ClusterView, JobMemory, Reconciler
+from baton_operator.errors import KubeConflictError, KubeError, SidecarUnreachableError
+from baton_operator.metrics import Metrics
+from baton_operator.reports import SidecarStatus
+from baton_operator.settings import OperatorConfig
+from prometheus_client import CollectorRegistry
+
+NS = "team"
+JOB = "tj"
+REPLICAS = 3
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """JSON merge patch (RFC 7386), as the API server applies to ``status``."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+class FakeKube:
+    """The API calls ``Reconciler`` makes, on one job and its pods, in memory."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = copy.deepcopy(job)
+        self.job.setdefault("status", {})
+        self.job["metadata"]["resourceVersion"] = "1"
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.created: list[str] = []
+        self.deleted: list[tuple[str, int | None]] = []
+        self.create_errors: list[KubeError] = []
+        self.writes: list[dict[str, Any]] = []
+        self.conflicts = 0
+        self.before_write: Callable[[FakeKube], None] | None = None
+        """Runs once, just before the next status write: another writer racing this one."""
+
+    def bump(self) -> str:
+        version = str(int(self.job["metadata"]["resourceVersion"]) + 1)
+        self.job["metadata"]["resourceVersion"] = version
+        return version
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.job)
+
+    async def patch_job_status(
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> str | None:
+        hook, self.before_write = self.before_write, None
+        if hook is not None:
+            hook(self)
+        if (
+            resource_version is not None
+            and resource_version != self.job["metadata"]["resourceVersion"]
+        ):
+            self.conflicts += 1
+            raise KubeError.from_answer(
+                f"patching TrainingJob {namespace}/{name} status: HTTP 409: the object has been "
+                "modified; please apply your changes to the latest version and try again",
+                status=409,
+            )
+        _merge(self.job["status"], status)
+        self.writes.append(copy.deepcopy(status))
+        return self.bump()
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        want = dict(part.split("=", 1) for part in label_selector.split(","))
+        return [
+            copy.deepcopy(p)
+            for p in self.pods.values()
+            if all(p["metadata"]["labels"].get(k) == v for k, v in want.items())
+        ]
+
+    async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
+        if self.create_errors:
+            raise self.create_errors.pop(0)
+        name = body["metadata"]["name"]
+        if name in self.pods:
+            return False
+        pod = copy.deepcopy(body)
+        pod["status"] = {"phase": "Pending"}
+        self.pods[name] = pod
+        self.created.append(name)
+        return True
+
+    async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
+        self.deleted.append((name, grace_seconds))
+        self.pods.pop(name, None)
+
+    async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
+        return True
+
+    async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, name: str, *, node: str, ip: str) -> None:
+        """What the kubelet reports once the pod's trainer runs."""
+        pod = self.pods[name]
+        pod["spec"]["nodeName"] = node
+        pod["status"] = {
+            "phase": "Running",
+            "podIP": ip,
+            "containerStatuses": [
+                {"name": manifests.TRAINER_NAME, "state": {"running": {}}},
+            ],
+        }
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self.job["status"])
+
+    def phases(self) -> list[str]:
+        """Every phase written, in order."""
+        return [w["phase"] for w in self.writes if "phase" in w]
+
+    def condition(self, ctype: str) -> dict[str, Any]:
+        return next(c for c in self.status["conditions"] if c["type"] == ctype)
+
+
+class FakeSidecars:
+    """Each pod IP's sidecar: its current report, or unreachable (None)."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, SidecarStatus | None] = {}
+        self.requests: list[tuple[str, datetime, str]] = []
+
+    async def status(self, ip: str, token: str) -> SidecarStatus:
+        report = self.reports.get(ip)
+        if report is None:
+            raise SidecarUnreachableError(f"sidecar at {ip} did not answer (test)")
+        return report
+
+    async def request_checkpoint(
+        self, ip: str, token: str, *, deadline: datetime, reason: str
+    ) -> str:
+        self.requests.append((ip, deadline, reason))
+        return f"req-{ip}"
+
+
+def job_body(**failure_policy: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {
+            "name": JOB,
+            "namespace": NS,
+            "uid": "uid-1",
+            "generation": 1,
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+        },
+        "spec": {
+            "replicas": REPLICAS,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "trainer", "image": "trainer:1", "command": ["python", "t.py"]}
+                    ]
+                }
+            },
+            "checkpoint": {"uri": "s3://bucket/tj"},
+            "failurePolicy": {"maxFailures": 1, **failure_policy},
+        },
+    }
+
+
+class Harness:
+    """One Reconciler over the fakes, and the steps a test takes with it."""
+
+    def __init__(self, **failure_policy: Any) -> None:
+        self.config = OperatorConfig()
+        self.kube = FakeKube(job_body(**failure_policy))
+        self.sidecars = FakeSidecars()
+        self.cluster = ClusterView(config=self.config)
+        self.events: list[tuple[str, str, str]] = []
+        self.memory = JobMemory()
+
+        async def post(job: Any, kind: str, reason: str, message: str) -> None:
+            self.events.append((kind, reason, message))
+
+        self.reconciler = Reconciler(
+            kube=cast(Any, self.kube),
+            sidecars=cast(Any, self.sidecars),
+            cluster=self.cluster,
+            metrics=Metrics(CollectorRegistry()),
+            config=self.config,
+            post_event=post,
+            token_for=lambda spec: "token",
+        )
+
+    def tick(self) -> float | None:
+        return asyncio.run(self.reconciler.tick(NS, JOB, self.memory))
+
+    def node(
+        self,
+        name: str,
+        *,
+        ready: bool = True,
+        taints: tuple[dict[str, Any], ...] = (),
+        for_seconds: float = 3600,
+    ) -> None:
+        """The Node watch reports ``name``, Ready (or not) for ``for_seconds``."""
+        now = datetime.now(tz=UTC)
+        self.cluster.update_node(
+            {
+                "metadata": {"name": name},
+                "spec": {"taints": list(taints)},
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True" if ready else "False",
+                            "lastTransitionTime": (
+                                now - timedelta(seconds=for_seconds)
+                            ).isoformat(),
+                        }
+                    ]
+                },
+            },
+            now=now,
+        )
+
+    def pod(self, attempt: int, rank: int) -> str:
+        return manifests.pod_name(JOB, attempt, rank)
+
+    def running(self) -> None:
+        """Start the job and run every rank of attempt 0 on nodes n0..n2: phase Running."""
+        for i in range(REPLICAS):
+            self.node(f"n{i}")
+        self.tick()  # Secret, Service, Pending
+        self.tick()  # rank 0
+        self.kube.run(self.pod(0, 0), node="n0", ip="10.0.0.1")
+        self.tick()  # ranks 1.., masterAddr
+        for rank in range(1, REPLICAS):
+            self.kube.run(self.pod(0, rank), node=f"n{rank}", ip=f"10.0.0.{rank + 1}")
+        for rank in range(REPLICAS):
+            self.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(state="idle")
+        self.tick()
+        assert self.kube.status["phase"] == "Running", self.kube.status
+
+    def spot_notice(self, node: str = "n1") -> None:
+        self.node(node, taints=({"key": "aws-node-termination-handler/spot-itn",
+                                 "effect": "NoSchedule"},))  # fmt: skip
+
+    def report_all(self, **report: Any) -> None:
+        for rank in range(REPLICAS):
+            ip = f"10.0.0.{rank + 1}"
+            self.sidecars.reports[ip] = SidecarStatus(**{"request_id": f"req-{ip}", **report})
+
+
+def test_a_spot_notice_checkpoints_every_rank_then_moves_the_job() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    before = datetime.now(tz=UTC)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Checkpointing"
+    assert "n1" in status["avoidNodes"]
+    assert status["notice"]["source"] == "aws"
+    # The deadline is clamped to at least the operator's minimum window.
+    deadline = datetime.fromisoformat(status["notice"]["deadline"].replace("Z", "+00:00"))
+    assert deadline >= before.replace(microsecond=0) + timedelta(
+        seconds=h.config.min_checkpoint_window_seconds
+    )
+
+    h.report_all(state="requested")
+    h.tick()
+    assert sorted(ip for ip, _, _ in h.sidecars.requests) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert all("aws: AWS Node Termination Handler" in r for _, _, r in h.sidecars.requests)
+    assert h.kube.status["notice"]["requestIds"] == ["req-10.0.0.1", "req-10.0.0.2", "req-10.0.0.3"]
+    assert h.kube.status["phase"] == "Checkpointing", "nothing committed yet: wait"
+
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Restarting"
+    assert (status["attempt"], status["preemptions"], status["failures"]) == (1, 1, 0)
+    assert status["resumedFromStep"] == 40
+    assert status["lastCheckpoint"]["step"] == 40
+    assert status["lastCheckpoint"]["trigger"] == "notice"
+    assert "notice" not in status
+    assert sorted(h.kube.deleted) == [
+        (h.pod(0, r), h.config.delete_grace_seconds) for r in range(3)
+    ]
+    assert any(reason == "CheckpointCommitted" for _, reason, _ in h.events)
+
+    h.tick()  # Restarting -> Pending, the new attempt's rank 0 resumes at the committed step
+    assert h.kube.status["phase"] == "Pending"
+    pod = h.kube.pods[h.pod(1, 0)]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["BATON_RESUME_STEP"] == "40"
+    assert "n1" in str(pod["spec"]["affinity"])
+    assert h.kube.phases() == ["Pending", "Running", "Checkpointing", "Restarting", "Pending"]
+
+
+def test_a_failed_save_falls_back_to_the_newest_step_any_rank_committed() -> None:
+    h = Harness()
+    h.running()
+    # A periodic save committed step 30 (rank 2 knows it), newer than status.lastCheckpoint.
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic"}
+    h.spot_notice("n0")
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    h.report_all(state="saving", trigger="notice", last_committed_step=30)
+    h.tick()
+    h.report_all(state="failed", trigger="notice", error="disk full", last_committed_step=30)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Restarting"
+    assert status["resumedFromStep"] == 30
+    assert status["lastCheckpoint"] == {
+        "step": 30,
+        "uri": "s3://bucket/tj",
+        "trigger": "periodic",
+        "completedAt": status["lastCheckpoint"]["completedAt"],
+    }
+    assert (status["preemptions"], status["failures"]) == (1, 0), "a preemption, not a failure"
+    fallback = [m for _, reason, m in h.events if reason == "CheckpointFallback"]
+    assert len(fallback) == 1
+    assert "disk full" in fallback[0]
+    assert "the last committed step 30" in fallback[0]
+
+
+def test_a_notice_before_the_attempt_runs_moves_it_without_asking_for_a_save() -> None:
+    h = Harness()
+    for i in range(REPLICAS):
+        h.node(f"n{i}")
+    h.tick()
+    h.tick()
+    h.kube.run(h.pod(0, 0), node="n0", ip="10.0.0.1")
+    h.spot_notice("n0")
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Restarting"
+    assert status["avoidNodes"] == ["n0"]
+    assert status.get("resumedFromStep") is None
+    assert h.sidecars.requests == [], "nothing trained since the last commit: nothing to save"
+
+
+def test_a_disruption_target_on_a_node_that_is_not_ready_is_no_notice() -> None:
+    h = Harness()
+    h.running()
+    pod = h.kube.pods[h.pod(0, 1)]
+    pod["status"]["conditions"] = [
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
+    ]
+    # Not Ready for a moment (not yet lost): the taint manager cleaning up a node that went
+    # down is not an advance notice, so no save is asked.
+    h.node("n1", ready=False, for_seconds=1)
+    h.tick()
+    assert h.kube.status["phase"] == "Running"
+    assert h.sidecars.requests == []
+    # Once the node counts as lost, it is a failure (no notice came), not a preemption.
+    h.node("n1", ready=False, for_seconds=h.config.node_lost_seconds + 1)
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["failures"], status["preemptions"]) == ("Restarting", 1, 0)
+    assert (h.pod(0, 1), 0) in h.kube.deleted, "a pod on a lost node is deleted at once"
+    assert h.sidecars.requests == []
+
+
+def test_a_disruption_target_on_a_ready_node_is_a_notice() -> None:
+    h = Harness()
+    h.running()
+    pod = h.kube.pods[h.pod(0, 1)]
+    pod["status"]["conditions"] = [
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+    ]
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert h.kube.status["notice"]["source"] == "disruption-target"
+
+
+def test_a_finished_pod_on_a_noticed_node_is_no_notice() -> None:
+    h = Harness()
+    h.running()
+    pod = h.kube.pods[h.pod(0, 1)]
+    pod["status"]["phase"] = "Succeeded"
+    pod["status"]["containerStatuses"] = [
+        {"name": manifests.TRAINER_NAME, "state": {"terminated": {"exitCode": 0}}}
+    ]
+    h.spot_notice("n1")
+    h.tick()
+    assert h.kube.status["phase"] == "Running", "a rank that finished has nothing to save"
+    assert h.sidecars.requests == []
+
+
+def test_a_rejected_pod_fails_the_job_once_naming_the_field() -> None:
+    h = Harness()
+    h.tick()
+    h.kube.create_errors.append(
+        KubeError.from_answer(
+            f"creating pod {NS}/{h.pod(0, 0)}: HTTP 422: Pod is invalid",
+            status=422,
+            fields=("spec.containers[0].image",),
+        )
+    )
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Failed"
+    failed = h.kube.condition("Failed")
+    assert failed["reason"] == "PodRejected"
+    assert "spec.template.spec.containers[0].image" in failed["message"]
+    assert "fix spec.template" in failed["message"]
+    assert [r for _, r, _ in h.events].count("PodRejected") == 1
+    assert h.tick() is None, "a failed job's daemon stops: nothing is retried"
+    assert h.kube.created == []
+
+
+def test_a_forbidden_create_is_retried_with_backoff_not_every_tick() -> None:
+    h = Harness()
+    h.tick()
+    h.kube.create_errors.append(
+        KubeError.from_answer(
+            f"creating pod {NS}/{h.pod(0, 0)}: HTTP 403: pods is forbidden: exceeded quota: gpu",
+            status=403,
+        )
+    )
+    h.tick()
+    assert h.kube.status["phase"] == "Pending"
+    degraded = h.kube.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodCreateFailed")
+    assert "exceeded quota" in degraded["message"]
+    assert "retrying in 1s" in degraded["message"]
+    assert h.memory.create_retry_at is not None
+    h.tick()
+    assert h.kube.created == [], "inside the backoff nothing is created"
+    h.memory.create_retry_at = datetime.now(tz=UTC) - timedelta(seconds=1)  # the backoff passed
+    h.tick()
+    assert h.kube.created == [h.pod(0, 0)]
+    degraded = h.kube.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("False", "Created")
+
+
+def test_a_conflicting_write_is_detected_and_the_tick_decides_again_from_a_fresh_read() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+
+    def other_writer(kube: FakeKube) -> None:
+        # Someone else changes the job between this tick's read and its write.
+        kube.job["status"]["stepsLost"] = 7
+        kube.bump()
+
+    h.kube.before_write = other_writer
+    h.tick()
+    assert h.kube.conflicts == 1
+    status = h.kube.status
+    assert status["phase"] == "Checkpointing", "decided again and written"
+    assert status["stepsLost"] == 7, "the other writer's change is kept, not overwritten"
+    assert h.kube.phases().count("Checkpointing") == 1
+
+
+def test_a_restart_another_writer_already_made_is_not_made_twice() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.tick()  # requests sent
+    h.report_all(state="committed", step=40, trigger="notice")
+
+    def other_operator(kube: FakeKube) -> None:
+        # A second operator (a fail-over) took the same decision first.
+        _merge(kube.job["status"], {"phase": "Restarting", "attempt": 1, "preemptions": 1,
+                                    "resumedFromStep": 40, "notice": None})  # fmt: skip
+        kube.bump()
+
+    h.kube.before_write = other_operator
+    h.tick()
+    assert h.kube.conflicts == 1
+    status = h.kube.status
+    assert (status["phase"], status["attempt"], status["preemptions"]) == ("Restarting", 1, 1)
+
+
+def test_a_write_that_keeps_losing_gives_up_to_the_daemons_backoff() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+
+    async def always_conflict(*args: Any, **kwargs: Any) -> str | None:
+        raise KubeError.from_answer("patching: HTTP 409: modified", status=409)
+
+    h.kube.patch_job_status = always_conflict  # type: ignore[method-assign]
+    with pytest.raises(KubeConflictError):
+        h.tick()
+    assert h.kube.status["phase"] == "Running"
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "kind"),
+    [
+        (422, "HTTP 422: invalid", "permanent"),
+        (400, "HTTP 400: bad request", "permanent"),
+        (403, "HTTP 403: pods is forbidden: violates PodSecurity restricted", "permanent"),
+        (403, "HTTP 403: pods is forbidden: User cannot create pods", "temporary"),
+        (409, "HTTP 409: modified", "conflict"),
+        (410, "HTTP 410: too old", "temporary"),
+        (503, "HTTP 503: unavailable", "temporary"),
+        (0, "no answer (TimeoutError)", "temporary"),
+    ],
+)
+def test_the_client_layer_says_which_errors_are_permanent(
+    status: int, message: str, kind: str
+) -> None:
+    from baton_operator.errors import PermanentError, TemporaryError
+
+    error = KubeError.from_answer(message, status=status)
+    assert error.permanent is (kind == "permanent")
+    assert isinstance(error, PermanentError if kind == "permanent" else TemporaryError)
+    assert isinstance(error, KubeConflictError) is (kind == "conflict")
+    if kind == "conflict":
+        assert cast(KubeConflictError, error).delay == 0.0
