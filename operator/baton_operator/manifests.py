@@ -54,6 +54,10 @@ CONTROL_DIR: Final = "/var/run/baton/control"
 TOKEN_VOLUME: Final = "baton-token"  # noqa: S105 (a volume name, not a secret)
 TOKEN_DIR: Final = "/var/run/baton/token"  # noqa: S105 (a mount path)
 TOKEN_KEY: Final = "token"  # noqa: S105 (a key name)
+TOKEN_FILE_MODE: Final = 0o440
+"""The token file's mode: owner (root) and the pod's ``fsGroup`` read it, nobody else."""
+DEFAULT_FS_GROUP: Final = 65532
+"""The pod's ``fsGroup`` when the template sets none (the sidecar image's non-root group)."""
 
 # Every env name the operator owns in the trainer: a user value of the same name is dropped,
 # because a wrong RANK or MASTER_ADDR would hang or corrupt the job.
@@ -359,17 +363,20 @@ def pod_manifest(
     volumes.append(
         {
             "name": TOKEN_VOLUME,
-            # World-readable inside the pod: the sidecar runs as its image's non-root user
-            # whatever the pod's fsGroup, and 0440 would leave the file root-only. The token
-            # only authorises checkpoint requests to this pod's own sidecar, and the trainer
-            # beside it is inside that trust boundary already.
-            "secret": {"secretName": secret_name(spec.name), "defaultMode": 0o444},
+            # Group-only: the kubelet gives a Secret's files the pod's fsGroup as their group,
+            # and the sidecar (whatever non-root user its image runs as) has that group.
+            "secret": {"secretName": secret_name(spec.name), "defaultMode": TOKEN_FILE_MODE},
         }
     )
     pod_spec["volumes"] = volumes
 
     pod_ctx = dict(pod_spec.get("securityContext") or {})
     pod_ctx.update(copy.deepcopy(_RESTRICTED_POD))
+    if pod_ctx.get("fsGroup") is None:
+        # Without an fsGroup a 0440 token would be root's alone. Only set here, the change
+        # policy keeps the kubelet from re-owning the user's volumes on every start.
+        pod_ctx["fsGroup"] = DEFAULT_FS_GROUP
+        pod_ctx.setdefault("fsGroupChangePolicy", "OnRootMismatch")
     pod_spec["securityContext"] = pod_ctx
 
     affinity = pod_spec.setdefault("affinity", {})

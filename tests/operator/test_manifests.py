@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
@@ -222,12 +223,26 @@ def test_native_sidecar_and_shared_volumes() -> None:
     assert not any("hostPath" in v for v in pod["spec"]["volumes"])
 
 
-def test_sidecar_can_read_its_token_as_any_user_and_is_probed() -> None:
-    # The sidecar runs as its image's non-root user with no fsGroup given: a token file
-    # that only root could read would stop it at start-up in a real cluster.
+def test_the_token_file_is_group_only_and_the_sidecar_has_the_group() -> None:
+    # Mode 0440: the kubelet makes the pod's fsGroup the file's group and gives every
+    # container that group, so the sidecar reads it whatever non-root user its image runs
+    # as; other users cannot. With no fsGroup in the template the operator sets one (and
+    # keeps the kubelet from re-owning the user's volumes on every start).
     pod = build()
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    assert volumes["baton-token"]["secret"]["defaultMode"] == 0o444
+    assert volumes["baton-token"]["secret"]["defaultMode"] == 0o440
+    pod_ctx = pod["spec"]["securityContext"]
+    assert pod_ctx["fsGroup"] == manifests.DEFAULT_FS_GROUP == 65532
+    assert pod_ctx["fsGroupChangePolicy"] == "OnRootMismatch"
+    # A template's own fsGroup (and change policy) is kept: the token then has that group.
+    template = copy.deepcopy(dict(spec().template))
+    template["spec"]["securityContext"] = {"fsGroup": 1000}
+    own = manifests.pod_manifest(
+        spec(template=template), CONFIG, rank=0, attempt=0, replicas=2, master_addr=None,
+        resume_step=None,
+    )  # fmt: skip
+    assert own["spec"]["securityContext"]["fsGroup"] == 1000
+    assert "fsGroupChangePolicy" not in own["spec"]["securityContext"]
     (sidecar,) = pod["spec"]["initContainers"]
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
     for probe in ("startupProbe", "livenessProbe"):
