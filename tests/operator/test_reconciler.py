@@ -205,11 +205,12 @@ class Harness:
         async def post(job: Any, kind: str, reason: str, message: str) -> None:
             self.events.append((kind, reason, message))
 
+        self.registry = CollectorRegistry()
         self.reconciler = Reconciler(
             kube=cast(Any, self.kube),
             sidecars=cast(Any, self.sidecars),
             cluster=self.cluster,
-            metrics=Metrics(CollectorRegistry()),
+            metrics=Metrics(self.registry),
             config=self.config,
             post_event=post,
             token_for=lambda spec: "token",
@@ -538,3 +539,18 @@ def test_the_client_layer_says_which_errors_are_permanent(
     assert isinstance(error, KubeConflictError) is (kind == "conflict")
     if kind == "conflict":
         assert cast(KubeConflictError, error).delay == 0.0
+
+
+def test_jobs_by_phase_follow_each_jobs_phase_changes() -> None:
+    h = Harness()
+
+    def jobs(phase: str) -> float | None:
+        return h.registry.get_sample_value("baton_jobs", {"phase": phase})
+
+    h.tick()
+    assert (jobs("Pending"), jobs("Running"), jobs("Failed")) == (1, 0, 0)
+    h.running()
+    h.tick()  # a tick counts the phase it reads
+    assert (jobs("Pending"), jobs("Running")) == (0, 1)
+    h.reconciler.forget(NS, JOB)
+    assert (jobs("Pending"), jobs("Running")) == (0, 0)
