@@ -1,6 +1,9 @@
 """Which steps exist and which are complete: manifest reading, torch-free.
 
 Shared by :mod:`trainer_sdk.api` and the CLI (which must start fast and work without torch).
+The functions that take a :data:`~trainer_sdk.storage.Location` (a path, a URI or a Storage)
+are public through :mod:`trainer_sdk.api` (``list_steps``, ``latest_step``, ``delete_step``,
+``cleanup_incomplete``, ``register_attempt``, ...); the rest serve the SDK and the CLI.
 A step is *complete* when its ``manifest.json`` exists and passes validation; anything else
 in a step directory is invisible to readers.
 
@@ -31,6 +34,7 @@ from trainer_sdk.errors import (
     IncompleteCheckpointError,
     ManifestError,
     StorageError,
+    SupersededError,
     UnreadableCheckpointError,
 )
 from trainer_sdk.layout import (
@@ -42,19 +46,24 @@ from trainer_sdk.layout import (
     parse_step_dir,
     step_dir,
 )
-from trainer_sdk.storage import Storage
+from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [
     "FENCE",
+    "cleanup_incomplete",
     "complete_steps",
+    "delete_step",
     "is_complete",
     "latest_hint",
+    "latest_step",
+    "list_steps",
     "manifest_absent",
     "manifest_key",
     "newest_attempt",
     "newest_complete",
     "read_fence",
     "read_manifest",
+    "register_attempt",
     "step_dirs",
     "unreadable",
 ]
@@ -81,13 +90,14 @@ def unreadable(e: BaseException, step: int | None, what: str) -> UnreadableCheck
     )
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
+def read_manifest(where: Location, step: int) -> Manifest:
     """The validated manifest of ``step``.
 
     Raises :class:`IncompleteCheckpointError` if it never committed (no manifest object),
     :class:`ManifestError` if the manifest is bad, :class:`UnreadableCheckpointError` if it
     cannot be read now or by this version.
     """
+    storage = open_storage(where)
     key = manifest_key(step)
     try:
         size = storage.size(key)
@@ -113,9 +123,9 @@ def manifest_absent(storage: Storage, step: int) -> bool:
         raise unreadable(e, step, f"checking {key}") from e
 
 
-def step_dirs(storage: Storage) -> list[int]:
-    """Steps that have a directory (complete or not), ascending."""
-    steps = [parse_step_dir(n) for n in storage.list_dir("")]
+def step_dirs(where: Location) -> list[int]:
+    """Steps that have a directory under ``where`` (complete or not), ascending."""
+    steps = [parse_step_dir(n) for n in open_storage(where).list_dir("")]
     return sorted(s for s in steps if s is not None)
 
 
@@ -129,7 +139,7 @@ def is_complete(storage: Storage, step: int) -> bool:
     return True
 
 
-def complete_steps(storage: Storage, *, warn: bool = False) -> dict[int, Manifest]:
+def complete_steps(where: Location, *, warn: bool = False) -> dict[int, Manifest]:
     """Every complete step of the newest lineage, with its manifest, ascending.
 
     Bad manifests are skipped (with a WARNING naming the file and the reason when ``warn``).
@@ -138,6 +148,7 @@ def complete_steps(storage: Storage, *, warn: bool = False) -> dict[int, Manifes
     cannot change which step is newest. Steps committed by a stale attempt after a newer
     attempt had committed an older step are left out (see the module docstring).
     """
+    storage = open_storage(where)
     out: dict[int, Manifest] = {}
     for s in reversed(step_dirs(storage)):  # newest first
         try:
@@ -204,8 +215,9 @@ def read_fence(storage: Storage) -> tuple[int, str | None]:
     return attempt, token
 
 
-def newest_attempt(storage: Storage) -> int:
-    """The newest attempt that has started writing or committed under this root (0: none)."""
+def newest_attempt(where: Location) -> int:
+    """The newest attempt that has started writing or committed under ``where`` (0: none)."""
+    storage = open_storage(where)
     fence, _ = read_fence(storage)
     committed = complete_steps(storage)
     return max([fence, *(m.attempt for m in committed.values())])
@@ -217,3 +229,81 @@ def latest_hint(storage: Storage) -> int | None:
         return parse_latest(storage.read_bytes(LATEST))
     except (FileNotFoundError, CheckpointError, OSError):
         return None
+
+
+# ------------------------------------------------------------ public through trainer_sdk.api
+
+
+def list_steps(uri: Location) -> list[int]:
+    """Every complete step (valid manifest, newest lineage) under ``uri``, ascending.
+
+    Raises :class:`UnreadableCheckpointError` if a manifest cannot be read now or by this
+    version (so a caller never mistakes a step that may be good for a missing one).
+    """
+    return sorted(complete_steps(uri))
+
+
+def latest_step(uri: Location) -> int | None:
+    """The newest complete step under ``uri``, or None.
+
+    ``latest`` is only a hint: the step directories are listed and their manifests validated,
+    newest first, so a ``latest`` that is stale or points at a broken step is never trusted.
+    A bad step is skipped with a WARNING; an unreadable one raises
+    :class:`UnreadableCheckpointError`.
+    """
+    return newest_complete(open_storage(uri))
+
+
+def delete_step(uri: Location, step: int) -> None:
+    """Delete one step: the manifest first (so readers stop seeing it at once), then the rest."""
+    storage = open_storage(uri)
+    storage.delete(manifest_key(step))
+    storage.delete_tree(step_dir(step))
+
+
+def cleanup_incomplete(uri: Location, *, older_than: int | None = None) -> list[str]:
+    """Delete step directories that are provably abandoned: no manifest object at all, and
+    older than ``older_than`` (default: the newest complete step, so an in-progress save is
+    never touched). A directory whose manifest is bad or cannot be read is kept (it may be
+    good, or be evidence). Only a writer should call this, after its own commit. Returns the
+    deleted directory names."""
+    storage = open_storage(uri)
+    limit = latest_step(storage) if older_than is None else older_than
+    if limit is None:
+        return []
+    removed = []
+    for s in step_dirs(storage):
+        if s < limit and manifest_absent(storage, s):
+            storage.delete_tree(step_dir(s))
+            removed.append(step_dir(s))
+    return removed
+
+
+def register_attempt(uri: Location, attempt: int | None) -> int:
+    """Record in ``fence`` that ``attempt`` starts writing under ``uri``; return the attempt.
+
+    ``attempt`` None (outside Kubernetes, no ``BATON_ATTEMPT``): derive a new generation, one
+    above the newest attempt seen under ``uri``. A compare-and-swap, so two writers starting
+    together get different generations and the fence never moves backwards. Raises
+    :class:`SupersededError` if a newer attempt has already started or committed.
+    """
+    storage = open_storage(uri)
+    for _ in range(20):
+        fence, token = read_fence(storage)
+        committed = max((m.attempt for m in complete_steps(storage).values()), default=0)
+        newest = max(fence, committed)
+        mine = newest + 1 if attempt is None else attempt
+        if mine < newest:
+            raise SupersededError(
+                f"this run is attempt {mine}, but attempt {newest} has already started writing "
+                f"under {storage.uri}: this process is a stale copy of the job, stop it. (If "
+                f"you reuse the uri for a new job on purpose, delete {storage.uri}/"
+                f"{FENCE} first, or give the new job its own uri)",
+                attempt=mine,
+                newer=newest,
+            )
+        if mine == fence:
+            return mine
+        if storage.replace_if(FENCE, json.dumps({"attempt": mine}).encode(), token=token):
+            return mine
+    raise StorageError(f"{storage.uri}/{FENCE} kept changing under us; retry")

@@ -620,7 +620,7 @@ class Checkpointer:
         layout = _ddp.bucket_layout(self.model)
         if layout is not None:
             state["baton"]["ddp_buckets"] = layout
-        flat = api.flatten(state, process_group=self._group)
+        flat = api.flatten(state)
         return flat, api.plan_save(flat, self.rank, self.world_size)
 
     def _save(

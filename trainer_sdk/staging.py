@@ -328,6 +328,6 @@ def async_save(
         else (0, 1)
     )
     storage = open_storage(uri)
-    flat = api.flatten(state, process_group=saver.group)
+    flat = api.flatten(state)
     plan = api.plan_save(flat, rank, world)
     return stage_and_commit(saver, flat, plan, storage, step=step, trigger=trigger)
