@@ -215,12 +215,19 @@ async def _node_event(
     name = str(body.get("metadata", {}).get("name", ""))
     if event.get("type") == "DELETED":
         cluster.remove_node(name)
+        changed = True
     else:
-        for notice in cluster.update_node(body, now=datetime.now(tz=UTC)):
+        was_ready = cluster.node_ready(name)
+        fresh = cluster.update_node(body, now=datetime.now(tz=UTC))
+        for notice in fresh:
             memo["metrics"].notices.labels(notice.source).inc()
             logger.info("notice on node %s: %s (deadline %s)", name, notice.reason, notice.deadline)
-    for waker in list(memo["wakers"].values()):
-        waker.set()
+        changed = bool(fresh) or cluster.node_ready(name) != was_ready
+    # Only a new notice, a readiness change or a deletion wakes the jobs' daemons early: a
+    # node's routine status updates would otherwise tick every job on every node's heartbeat.
+    if changed:
+        for waker in list(memo["wakers"].values()):
+            waker.set()
 
 
 @kopf.on.event(*watches.PODS.selector(), labels=dict(watches.MANAGED_BY))

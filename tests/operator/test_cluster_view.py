@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from baton_operator import handlers
 from baton_operator.controller import ClusterView, JobMemory
+from baton_operator.metrics import Metrics
 from baton_operator.reports import answers
 from baton_operator.settings import OperatorConfig
 from baton_operator.sidecars import SidecarStatus
+from prometheus_client import CollectorRegistry
 
 T0 = datetime(2026, 11, 30, 4, 0, tzinfo=UTC)
 
@@ -73,3 +78,34 @@ def test_memory_tells_a_served_notice_and_forgets_old_attempts() -> None:
     assert memory.served_notice(1)
     memory.for_attempt(1)
     assert not memory.served_notice(1)
+
+
+def test_only_a_change_that_matters_wakes_the_jobs_daemons() -> None:
+    wake = asyncio.Event()
+    memo: dict[str, Any] = {
+        "cluster": ClusterView(config=OperatorConfig()),
+        "metrics": Metrics(CollectorRegistry()),
+        "wakers": {("team", "tj"): wake},
+    }
+
+    def node(*taints: dict[str, Any], ready: bool = True) -> dict[str, Any]:
+        condition = {"type": "Ready", "status": "True" if ready else "False"}
+        return {"metadata": {"name": "n1"}, "spec": {"taints": list(taints)},
+                "status": {"conditions": [condition]}}  # fmt: skip
+
+    def event(kind: str, body: dict[str, Any]) -> bool:
+        wake.clear()
+        asyncio.run(
+            handlers._node_event(
+                event={"type": kind}, body=body, memo=memo, logger=logging.getLogger("test")
+            )
+        )
+        return wake.is_set()
+
+    assert event("ADDED", node()), "a node newly Ready"
+    assert not event("MODIFIED", node()), "a routine status update wakes nobody"
+    spot = {"key": "aws-node-termination-handler/spot-itn", "effect": "NoSchedule"}
+    assert event("MODIFIED", node(spot)), "a new notice"
+    assert not event("MODIFIED", node(spot)), "the same notice again"
+    assert event("MODIFIED", node(spot, ready=False)), "readiness lost"
+    assert event("DELETED", node(spot, ready=False)), "the node is gone"
