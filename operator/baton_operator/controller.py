@@ -483,6 +483,29 @@ class Reconciler:
             return
         t.memory.next_progress_poll = t.now + timedelta(seconds=self._config.progress_poll_seconds)
         await self._learn_commit(t)
+        await self._check_resume(t)
+
+    async def _check_resume(self, t: Tick) -> None:
+        """Make ``status.resumedFromStep`` the step the ranks actually loaded.
+
+        The checkpoint store is the truth, and the ranks' sidecars report what they restored
+        from it (``reports.loaded_step``). An operator that restarted while the ranks'
+        notice save was committing may have recorded an older step; the SDK still loads the
+        newest complete one, and the status says so from then on.
+        """
+        loaded = reports.loaded_step(t.memory.reports.values())
+        recorded = t.status.resumed_from_step
+        if loaded is None or loaded == recorded:
+            return
+        message = (
+            f"attempt {t.status.attempt}: the ranks loaded step {loaded}, not the recorded "
+            + ("start" if recorded is None else f"step {recorded}")
+            + " (the checkpoint store holds a newer complete step than the operator knew of); "
+            "status.resumedFromStep now says so"
+        )
+        await self._patch(t, t.patch().set({"resumedFromStep": loaded, "message": message}))
+        t.status = replace(t.status, resumed_from_step=loaded)
+        await self._event(t.job, "Warning", "ResumeStepCorrected", message)
 
     async def _learn_commit(self, t: Tick) -> int | None:
         """Poll the sidecars and record a newer committed step in ``status.lastCheckpoint``.

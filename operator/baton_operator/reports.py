@@ -14,7 +14,14 @@ from typing import Any
 from .model import LastCheckpoint
 from .vocabulary import EMERGENCY_TRIGGERS, SaveState
 
-__all__ = ["SidecarStatus", "answers", "committed_notice", "fallback_step", "served_notice"]
+__all__ = [
+    "SidecarStatus",
+    "answers",
+    "committed_notice",
+    "fallback_step",
+    "loaded_step",
+    "served_notice",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,3 +112,21 @@ def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus])
     steps = [last.step] if last is not None else []
     steps.extend(s for r in reports if (s := r.committed_step) is not None)
     return max(steps) if steps else None
+
+
+def loaded_step(reports: Iterable[SidecarStatus]) -> int | None:
+    """The step an attempt's ranks restored, as their sidecars report it; None when unknown.
+
+    The SDK reports ``idle`` from start-up until its first save, and sets
+    ``last_committed_step`` to the step it restored: so an ``idle`` report with a step names
+    the step that rank loaded. It loads the newest complete step (newer than
+    ``BATON_RESUME_STEP`` if one committed that the operator never heard of, as when a restarted
+    operator fell back while the ranks' notice save had in fact committed). None when no rank
+    says yet, or when the ranks that say disagree (then nothing is claimed).
+    """
+    steps = {
+        r.last_committed_step
+        for r in reports
+        if r.state == SaveState.IDLE and r.last_committed_step is not None
+    }
+    return steps.pop() if len(steps) == 1 else None

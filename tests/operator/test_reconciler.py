@@ -554,3 +554,60 @@ def test_jobs_by_phase_follow_each_jobs_phase_changes() -> None:
     assert (jobs("Pending"), jobs("Running")) == (0, 1)
     h.reconciler.forget(NS, JOB)
     assert (jobs("Pending"), jobs("Running")) == (0, 0)
+
+
+def test_the_status_reports_the_step_the_ranks_actually_loaded() -> None:
+    # An operator restarted mid-checkpoint found every rank gone and fell back to step 20,
+    # while the ranks' notice save of step 24 had committed: the new attempt's ranks load
+    # 24 (the newest complete step) and say so; the status must say it too.
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.memory = JobMemory()  # the restarted operator remembers nothing
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic"}
+    h.kube.status["notice"]["requestedAt"] = h.kube.status["notice"]["receivedAt"]
+    for name in list(h.kube.pods):
+        pod = h.kube.pods[name]
+        pod["status"]["phase"] = "Succeeded"
+        pod["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 75}}
+    h.sidecars.reports.clear()
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["resumedFromStep"]) == ("Restarting", 20)
+    h.tick()  # Pending: rank 0 of attempt 1
+    h.kube.run(h.pod(1, 0), node="n0", ip="10.0.1.1")
+    h.tick()
+    for rank in range(1, REPLICAS):
+        h.kube.run(h.pod(1, rank), node=f"n{rank + 2}", ip=f"10.0.1.{rank + 1}")
+    for rank in range(REPLICAS):
+        idle = SidecarStatus(state="idle", last_committed_step=24)
+        h.sidecars.reports[f"10.0.1.{rank + 1}"] = idle
+    h.memory.next_progress_poll = None
+    h.tick()
+    status = h.kube.status
+    assert status["resumedFromStep"] == 24
+    assert status["lastCheckpoint"]["step"] == 24
+    corrected = [m for _, reason, m in h.events if reason == "ResumeStepCorrected"]
+    assert len(corrected) == 1
+    assert "loaded step 24, not the recorded step 20" in corrected[0]
+    h.memory.next_progress_poll = None
+    h.tick()
+    assert len([r for _, r, _ in h.events if r == "ResumeStepCorrected"]) == 1, "said once"
+
+
+def test_ranks_that_disagree_or_have_saved_since_claim_no_loaded_step() -> None:
+    from baton_operator.reports import loaded_step
+
+    assert loaded_step([SidecarStatus(state="idle", last_committed_step=24)] * 2) == 24
+    assert loaded_step([SidecarStatus(state="idle")]) is None, "not restored yet, or scratch"
+    assert loaded_step([SidecarStatus(state="committed", step=30, last_committed_step=30)]) is None
+    assert (
+        loaded_step(
+            [
+                SidecarStatus(state="idle", last_committed_step=24),
+                SidecarStatus(state="idle", last_committed_step=20),
+            ]
+        )
+        is None
+    )
