@@ -93,34 +93,10 @@ class Reconciler:
         self._patch = writer.patch
         self._event = writer.event
         self._creator = Creator(kube=kube, config=config, token_for=token_for, writer=writer)
-        self._phases: dict[tuple[str, str], str] = {}
-        self._phase_counts: dict[str, int] = {}
-
-    def _count_phase(self, namespace: str, name: str, phase: str | None) -> None:
-        """Keep ``baton_jobs{phase}`` equal to the number of jobs in each phase.
-
-        Only a job whose phase changed touches the counts (a tick costs the same with 1 job
-        or 1,000); on the first call every phase's series is set, so each reads 0, not absent.
-        """
-        key = (namespace, name)
-        old = self._phases.pop(key, None)
-        if phase is not None:
-            self._phases[key] = phase
-        if not self._phase_counts:
-            self._phase_counts = {p.value: 0 for p in Phase}
-            for p in Phase:
-                self._metrics.jobs.labels(p.value).set(0)
-        elif old == phase:
-            return
-        changes: tuple[tuple[str | None, int], ...] = ((old, -1), (phase, 1))
-        for value, delta in changes:
-            if value is not None and value in self._phase_counts:
-                self._phase_counts[value] += delta
-                self._metrics.jobs.labels(value).set(self._phase_counts[value])
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop counting it and drop its metric series."""
-        self._count_phase(namespace, name, None)
+        self._metrics.job_phase(namespace, name, None)
         self._metrics.job_deleted(namespace, name)
 
     # ----------------------------------------------------------------- entry point
@@ -149,7 +125,7 @@ class Reconciler:
         spec = JobSpec.from_body(job)
         status = JobStatus.from_body(job)
         phase = status.phase
-        self._count_phase(namespace, name, (phase or Phase.PENDING).value)
+        self._metrics.job_phase(namespace, name, (phase or Phase.PENDING).value)
         now = _now()
         tick = self._config.tick_seconds
         t = Tick(job=job, spec=spec, status=status, current={}, memory=memory, now=now,

@@ -23,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from .lifecycle import Phase
+
 __all__ = ["Health", "Metrics", "serve"]
 
 _JOB: Final = ("namespace", "job")
@@ -83,6 +85,8 @@ class Metrics:
         )
         self._live: set[tuple[str, str]] = set()
         self._restart_reasons: dict[tuple[str, str], set[str]] = {}
+        self._phases: dict[tuple[str, str], str] = {}
+        self._phase_counts: dict[str, int] = {}
 
     # Per-job series follow the job's life, so that dashboards and alerts see the truth:
     # they exist from the job's first reconcile (counters at 0, so increase() counts the
@@ -106,6 +110,29 @@ class Metrics:
         self.steps_lost_total.labels(*key)
         self.failure_budget.labels(*key).set(failures_left)
         self.last_checkpoint.labels(*key).set(last_checkpoint)
+
+    def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Keep ``baton_jobs{phase}`` equal to the number of jobs in each phase (None: the job
+        is gone).
+
+        Only a job whose phase changed touches the counts (a reconcile costs the same with 1
+        job or 1,000); the first call sets every phase's series, so each reads 0, not absent.
+        """
+        key = (namespace, name)
+        old = self._phases.pop(key, None)
+        if phase is not None:
+            self._phases[key] = phase
+        if not self._phase_counts:
+            self._phase_counts = {p.value: 0 for p in Phase}
+            for p in Phase:
+                self.jobs.labels(p.value).set(0)
+        elif old == phase:
+            return
+        changes: tuple[tuple[str | None, int], ...] = ((old, -1), (phase, 1))
+        for value, delta in changes:
+            if value is not None and value in self._phase_counts:
+                self._phase_counts[value] += delta
+                self.jobs.labels(value).set(self._phase_counts[value])
 
     def count_restart(self, namespace: str, name: str, reason: str) -> None:
         self._restart_reasons.setdefault((namespace, name), set()).add(reason)
