@@ -1,14 +1,20 @@
 """A stock Hugging Face Trainer fine-tune of a tiny Llama, with the two lines BatonTrainer needs.
 
-Run under torchrun (or alone). Built from configs only (no download): a LlamaForCausalLM with
-attention dropout on, AdamW, a cosine schedule with warmup, gradient accumulation with a
-short last group per epoch, and a shuffled map-style dataset.
+Run under torchrun (or alone), or as a TrainingJob's command (one process per pod, the
+operator's RANK/WORLD_SIZE/MASTER_ADDR). Built from configs only (no download): a
+LlamaForCausalLM with attention dropout on, AdamW, a cosine schedule with warmup, gradient
+accumulation with a short last group per epoch, and a shuffled map-style dataset. Checkpoints
+go where a stock script's would: ``$BATON_CHECKPOINT_URI`` (BatonTrainer's default).
 
 Test hooks (environment):
   HF_TEST_OUT        folder for the per-step loss logs and the final state
   HF_TEST_HANG_AT    after this optimizer step, write hang-<rank> (its pid) and wait to be
                      SIGKILLed (torchrun starts every worker in a session of its own)
   HF_TEST_SIGTERM_AT after this optimizer step, rank 1 sends itself SIGTERM
+  HF_TEST_HOLD_AT    after this optimizer step (before Baton's step boundary), write
+                     held-<rank> and wait until the test creates the file "release" (so that
+                     a notice the test gives arrives while training is in progress); no wait
+                     when "release" exists already
 
 Exit status: 0 when training finished, 75 when it stopped after serving a notice.
 """
@@ -39,6 +45,7 @@ from trainer_sdk.integrations.transformers import BatonTrainer
 SAMPLES = 44  # 11 batches of 2 per rank on 2 ranks: 6 optimizer steps per epoch, the last short
 SEQ = 16
 VOCAB = 64
+HOLD_LIMIT_S = 600
 
 
 class TokenDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -58,6 +65,7 @@ class Hooks(TrainerCallback):
         self.out, self.rank = out, rank
         self.hang_at = int(os.environ.get("HF_TEST_HANG_AT", "0"))
         self.sigterm_at = int(os.environ.get("HF_TEST_SIGTERM_AT", "0"))
+        self.hold_at = int(os.environ.get("HF_TEST_HOLD_AT", "0"))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.sigterm_at and self.rank == 1:
@@ -66,6 +74,14 @@ class Hooks(TrainerCallback):
             (self.out / f"hang-{self.rank}").write_text(str(os.getpid()))
             while True:  # the test SIGKILLs the whole process group here
                 time.sleep(1)
+        release = self.out / "release"
+        if state.global_step == self.hold_at and not release.exists():
+            (self.out / f"held-{self.rank}").write_text(str(os.getpid()))
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not release.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"held after step {self.hold_at} for {HOLD_LIMIT_S} s")
+                time.sleep(0.1)
 
 
 class LoggedTrainer(BatonTrainer):
@@ -124,7 +140,6 @@ def main() -> int:
         train_dataset=TokenDataset(),
         data_collator=default_data_collator,
         callbacks=[Hooks(out, rank)],
-        baton_uri=str(out / "ckpt"),
     )
     trainer.test_out = out
     trainer.train()
@@ -140,6 +155,7 @@ def main() -> int:
         save_file(final, str(out / "final.safetensors"))
         log_history = [e for e in trainer.state.log_history if "loss" in e]
         (out / "log_history.json").write_text(json.dumps(log_history))
+        model.config.to_json_file(str(out / "config.json"))  # for the export test
     return 0
 
 

@@ -1,0 +1,142 @@
+"""Runs of ``tests/integrations/hf_train.py`` (a Hugging Face Trainer script on BatonTrainer)
+and the exact comparisons of their results.
+
+Shared by the local torchrun tests (``tests/integrations/test_hf_trainer_resume.py``) and the
+operator test (``tests/integrations/test_hf_operator_cluster.py``), which compare against one
+uninterrupted run. Every micro-batch loss is logged as ``float.hex`` per rank
+(``losses-<rank>.jsonl``); rank 0 writes ``final.safetensors`` (weights, AdamW state, learning
+rates) and ``log_history.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "integrations" / "hf_train.py"
+RUN_TIMEOUT_S = 300.0
+STEPS = 18
+"""Optimizer steps of the whole run: 3 epochs of 6 (see hf_train.py)."""
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def start(out: Path, **env: str) -> subprocess.Popen[bytes]:
+    """torchrun with 2 local workers, checkpointing to ``out/ckpt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        **OFFLINE_ENV,
+        "HF_TEST_OUT": str(out),
+        "PYTHONPATH": str(REPO),
+        "BATON_CHECKPOINT_URI": str(out / "ckpt"),
+        **env,
+    }
+    with (out / "torchrun.log").open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT)],
+            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def kill_job(proc: subprocess.Popen[bytes], out: Path) -> None:
+    """SIGKILL torchrun and its workers (each in a session of its own, so killed by pid)."""
+    pids = [int(p.read_text()) for p in out.glob("pid-*")]
+    for pgid in [proc.pid, *pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    for pid in pids:  # the workers are torchrun's children: gone once torchrun is reaped
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+            assert time.monotonic() < deadline, f"worker {pid} survived SIGKILL"
+            time.sleep(0.1)
+    for p in out.glob("pid-*"):
+        p.unlink()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+def finish(proc: subprocess.Popen[bytes], out: Path) -> int:
+    try:
+        return proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_job(proc, out)
+        pytest.fail(f"torchrun ran past {RUN_TIMEOUT_S}s:\n{tail(out)}")
+
+
+def tail(out: Path) -> str:
+    return (out / "torchrun.log").read_text(errors="replace")[-6000:]
+
+
+def run(out: Path, **env: str) -> int:
+    return finish(start(out, **env), out)
+
+
+def losses(out: Path, rank: int) -> list[tuple[int, str]]:
+    """(optimizer step, exact loss) of every micro-batch ``rank`` trained, in order."""
+    lines = (out / f"losses-{rank}.jsonl").read_text().splitlines()
+    return [(e["step"], e["loss"]) for e in map(json.loads, lines)]
+
+
+def by_step(entries: list[tuple[int, str]]) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {}
+    for step, loss in entries:
+        found.setdefault(step, []).append(loss)
+    return found
+
+
+def steps(entries: list[tuple[int, str]], ref: dict[int, list[str]]) -> list[int]:
+    """Cut a loss log into optimizer steps (each run starts at a step boundary), checking that
+    every appearance of a step, replays included, logged the reference's exact losses."""
+    found: list[int] = []
+    i = 0
+    while i < len(entries):
+        step = entries[i][0]
+        assert step in ref, f"step {step} is not in the reference run"
+        n = len(ref[step])
+        chunk = entries[i : i + n]
+        assert [s for s, _ in chunk] == [step] * n, f"step {step} logged partially: {chunk}"
+        assert [loss for _, loss in chunk] == ref[step], f"step {step} losses differ"
+        found.append(step)
+        i += n
+    return found
+
+
+def assert_same_final(out: Path, ref: Path) -> None:
+    """Final weights, AdamW state, learning rates (bit for bit) and the Trainer's log history
+    equal the reference's."""
+    got, want = load_file(str(out / "final.safetensors")), load_file(str(ref / "final.safetensors"))
+    assert got.keys() == want.keys()
+    assert any(k.startswith("optim.") for k in want)  # optimizer state is compared too
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype
+        as_int = _int_of(tensor)
+        assert got[key].view(-1).view(dtype=as_int).equal(tensor.view(-1).view(dtype=as_int)), (
+            f"{key} differs"
+        )
+    assert json.loads((out / "log_history.json").read_text()) == json.loads(
+        (ref / "log_history.json").read_text()
+    )
+
+
+def _int_of(t: Any) -> Any:
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
