@@ -5,10 +5,12 @@ torchtitan's real parts: the Llama 3 ``debugmodel`` from its model registry (met
 (AdamW) and ``LRSchedulersContainer`` (warmup then linear decay), its
 ``ParallelAwareDataloader`` over a Stateful token stream split by data-parallel rank, and the
 manager built through ``Config.build(...)`` with the arguments torchtitan's ``Trainer`` passes.
-torchtitan 0.3's ``Trainer`` itself needs an accelerator (it falls back to CUDA), so the loop
-below mirrors ``Trainer.train``: ``load()``, then per step ``step += 1``, train, ``save(step)``;
-and its attention kernels cannot train on a CPU, so each layer's (parameter-free) inner
-attention is a causal SDPA stand-in (``CausalAttention``).
+torchtitan 0.3's ``Trainer`` itself cannot run on a CPU-only machine (docs/integrations.md
+says where and why: it selects CUDA, and none of its language-model attention backends trains
+on a CPU), so the loop below mirrors ``Trainer.train``: ``load(step=-1)``, then per step
+``step += 1``, train (``maybe_wait_for_staging()`` before the optimizer step), ``save(step,
+last_step=...)``, and ``close()``; each layer's (parameter-free) inner attention is a causal
+SDPA stand-in (``CausalAttention``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _train(
 
     class CausalAttention(torch.nn.Module):
         """torchtitan 0.3's attention kernels cannot train on a CPU (flex attention has no CPU
-        backward, varlen needs CUDA flash attention, sdpa was removed for language models).
+        backward, varlen needs CUDA flash attention, sdpa is refused for language models).
         This parameter-free stand-in computes causal attention with SDPA, on the same
         (batch, length, heads, head_dim) layout; weights and optimizer state are unchanged."""
 
@@ -148,7 +150,7 @@ def _train(
         lr = [g["lr"] for opt in optimizers.optimizers for g in opt.param_groups]
         return {"model": h.hexdigest(), "optim": o.hexdigest(), "lr": repr(lr)}
 
-    loaded = manager.load()
+    loaded = manager.load(step=-1)  # as Trainer.train calls it: load_step's default
     out: dict[str, Any] = {
         "loaded_step": train_state.step if loaded else 0,
         "after_load": digests(),

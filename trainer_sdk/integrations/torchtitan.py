@@ -27,10 +27,13 @@ What torchtitan 0.3 makes impossible, and why (also in ``docs/integrations.md``)
   about where M ranks should be (torchtitan#850). At another world size the manager therefore
   refuses, or with ``dataloader_on_reshard="restart"`` starts the data stream afresh (samples
   repeat). Model, optimizer, LR schedule and step reshard exactly.
-* Its ``Trainer`` picks CUDA when no accelerator is present
-  (``torchtitan.tools.utils``: ``_get_available_device_type() or "cuda"``), so the whole
-  Trainer cannot run on a CPU-only machine; Baton's tests drive torchtitan's own model,
-  containers, dataloader and this manager with a loop that mirrors ``Trainer.train``.
+* Its ``Trainer`` cannot run on a CPU-only machine: it picks CUDA when no accelerator is
+  present (``torchtitan.tools.utils.get_device_info``: ``_get_available_device_type() or
+  "cuda"``, then ``torch.cuda.set_device`` in ``Trainer.__init__``), none of its
+  language-model attention backends trains on a CPU (flex: no CPU backward in torch; varlen:
+  CUDA flash attention; sdpa: refused), and its memory monitor needs a device module with
+  memory statistics. Baton's tests drive torchtitan's own model, containers, dataloader and
+  this manager with a loop that makes ``Trainer.train``'s calls in its order.
 """
 
 from __future__ import annotations
