@@ -294,6 +294,54 @@ class LocalCluster:
         """Names of the nodes whose agents are alive."""
         return [n for n in self._control("nodes", []).splitlines() if n]
 
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver as a restart does (SIGTERM, graceful shutdown, watches end).
+
+        Returns once it has exited: its port then refuses connections. etcd (with the data),
+        the scheduler, the controller-manager and the node agents keep running and retry.
+        """
+        self._control("stop-apiserver", [])
+
+    def start_apiserver(self, *, timeout_s: float = 180.0) -> None:
+        """Start the stopped kube-apiserver again (same address, certificates and data).
+
+        Returns once it answers ``/readyz`` and the controller-manager watches again, which
+        can take a while: its informers retry with a back-off that grew during the outage
+        (up to about a minute after a 60 s one), and until then, for example, a new namespace
+        gets no ``default`` ServiceAccount and pods cannot be created in it. The sign awaited
+        is exactly that: a new namespace's ``default`` ServiceAccount.
+        """
+        self._control("start-apiserver", [])
+        core = kubernetes.client.CoreV1Api(self.api)
+        probe = f"localcluster-restarted-{os.getpid()}-{time.monotonic_ns()}"
+        core.create_namespace(
+            kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=probe))
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not core.list_namespaced_service_account(probe).items:
+                if time.monotonic() > deadline:
+                    raise LocalClusterError(
+                        f"kube-controller-manager did not resume within {timeout_s:.0f}s of the "
+                        f"API server's restart (no ServiceAccount in namespace {probe}); see "
+                        f"{self.directory / 'logs' / 'kube-controller-manager.log'}"
+                    )
+                time.sleep(0.5)
+        finally:
+            core.delete_namespace(probe)
+
+    @contextlib.contextmanager
+    def apiserver_down(self) -> Iterator[None]:
+        """Keep kube-apiserver stopped for the body of a ``with`` block, then start it again.
+
+        It is started again even when the body raises, so the shared cluster stays usable.
+        """
+        self.stop_apiserver()
+        try:
+            yield
+        finally:
+            self.start_apiserver()
+
     def pod_processes(self, pod_uid: str) -> list[int]:
         """PIDs of live processes that belong to the pod with this UID (found via /proc)."""
         pids = []

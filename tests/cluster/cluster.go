@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -44,8 +45,12 @@ type upConfig struct {
 
 type child struct {
 	name string
+	args []string
 	cmd  *exec.Cmd
 	done chan struct{}
+	// stopping marks an exit this process asked for (stop-apiserver), which must not stop
+	// the cluster as an unexpected exit does.
+	stopping atomic.Bool
 }
 
 // cluster is the running `up` process's state.
@@ -69,6 +74,9 @@ type cluster struct {
 	controlSock string
 	ipBlock     int
 	ipLock      *os.File
+	// apiMu serialises stop-apiserver and start-apiserver; apiDown is true in between.
+	apiMu   sync.Mutex
+	apiDown bool
 }
 
 func freePort() (int, error) {
@@ -124,6 +132,17 @@ func (c *cluster) claimIPBlock() error {
 }
 
 func (c *cluster) startChild(name string, args ...string) (*child, error) {
+	ch, err := c.launch(name, args)
+	if err != nil {
+		return nil, err
+	}
+	c.children = append(c.children, ch)
+	return ch, nil
+}
+
+// launch starts one component (this binary re-executed) with its log appended to
+// DIR/logs/<name>.log.
+func (c *cluster) launch(name string, args []string) (*child, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -143,11 +162,14 @@ func (c *cluster) startChild(name string, args ...string) (*child, error) {
 		logFile.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
-	ch := &child{name: name, cmd: cmd, done: make(chan struct{})}
+	ch := &child{name: name, args: args, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		_ = cmd.Wait()
 		logFile.Close()
 		close(ch.done)
+		if ch.stopping.Load() {
+			return
+		}
 		select {
 		case <-c.ctx.Done():
 		default:
@@ -155,8 +177,105 @@ func (c *cluster) startChild(name string, args ...string) (*child, error) {
 			c.cancel()
 		}
 	}()
-	c.children = append(c.children, ch)
 	return ch, nil
+}
+
+// stopChild sends SIGTERM to a component's process group and waits for it to exit, with
+// SIGKILL after `patience`.
+func stopChild(ch *child, patience time.Duration) {
+	_ = syscall.Kill(-ch.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-ch.done:
+	case <-time.After(patience):
+		_ = syscall.Kill(-ch.cmd.Process.Pid, syscall.SIGKILL)
+		<-ch.done
+	}
+}
+
+// childIndex is the position of the named component in start order (-1 if none).
+func (c *cluster) childIndex(name string) int {
+	for i, ch := range c.children {
+		if ch.name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// stopAPIServer stops kube-apiserver as a restart of its machine or static pod does: SIGTERM,
+// its graceful shutdown (in-flight requests finish, watches end), then the port refuses
+// connections. etcd, the other components and the node agents keep running and retry.
+func (c *cluster) stopAPIServer() (time.Duration, error) {
+	c.apiMu.Lock()
+	defer c.apiMu.Unlock()
+	c.shutdownMu.Lock()
+	defer c.shutdownMu.Unlock()
+	if c.ctx.Err() != nil {
+		return 0, errors.New("the cluster is stopping")
+	}
+	if c.apiDown {
+		return 0, errors.New("kube-apiserver is already stopped: run start-apiserver")
+	}
+	i := c.childIndex("kube-apiserver")
+	if i < 0 {
+		return 0, errors.New("no kube-apiserver in this cluster")
+	}
+	began := time.Now()
+	ch := c.children[i]
+	ch.stopping.Store(true)
+	_ = syscall.Kill(-ch.cmd.Process.Pid, syscall.SIGTERM)
+	// Its graceful shutdown closes the listener at once, then can hang in teardown for a
+	// minute; a kubelet would SIGKILL it after its grace period, and so does this, sooner.
+	addr := fmt.Sprintf("127.0.0.1:%d", c.apiPort)
+	closed := time.Now().Add(30 * time.Second)
+	for time.Now().Before(closed) {
+		conn, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
+		if err != nil {
+			break
+		}
+		conn.Close()
+		time.Sleep(100 * time.Millisecond)
+	}
+	stopChild(ch, 5*time.Second)
+	c.apiDown = true
+	took := time.Since(began)
+	c.logf("kube-apiserver stopped after %.1fs (etcd and its data kept); start-apiserver brings it back", took.Seconds())
+	return took, nil
+}
+
+// startAPIServer starts kube-apiserver again with the same flags (same port, certificates,
+// keys and etcd) and waits until it is ready.
+func (c *cluster) startAPIServer() (time.Duration, error) {
+	c.apiMu.Lock()
+	defer c.apiMu.Unlock()
+	began := time.Now()
+	err := func() error {
+		c.shutdownMu.Lock()
+		defer c.shutdownMu.Unlock()
+		if c.ctx.Err() != nil {
+			return errors.New("the cluster is stopping")
+		}
+		if !c.apiDown {
+			return errors.New("kube-apiserver is running: run stop-apiserver first")
+		}
+		i := c.childIndex("kube-apiserver")
+		ch, err := c.launch("kube-apiserver", c.children[i].args)
+		if err != nil {
+			return err
+		}
+		c.children[i] = ch
+		c.apiDown = false
+		return nil
+	}()
+	if err != nil {
+		return 0, err
+	}
+	if err := c.waitAPIReady(120 * time.Second); err != nil {
+		return 0, err
+	}
+	took := time.Since(began)
+	c.logf("kube-apiserver started again, ready after %.1fs", took.Seconds())
+	return took, nil
 }
 
 func waitTCP(ctx context.Context, addr string, timeout time.Duration) error {
@@ -496,14 +615,7 @@ func (c *cluster) shutdown() {
 	_ = os.Remove(filepath.Join(c.dir, "ready"))
 	// Reverse start order: scheduler, controller-manager, apiserver, etcd.
 	for i := len(c.children) - 1; i >= 0; i-- {
-		ch := c.children[i]
-		_ = syscall.Kill(-ch.cmd.Process.Pid, syscall.SIGTERM)
-		select {
-		case <-ch.done:
-		case <-time.After(10 * time.Second):
-			_ = syscall.Kill(-ch.cmd.Process.Pid, syscall.SIGKILL)
-			<-ch.done
-		}
+		stopChild(c.children[i], 10*time.Second)
 	}
 	c.logf("stopped")
 }

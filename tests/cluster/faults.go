@@ -82,6 +82,14 @@ func (c *cluster) serveControl() error {
 	handle("/preempt", c.handlePreempt)
 	handle("/kill-node", c.handleKillNode)
 	handle("/add-node", c.handleAddNode)
+	handle("/stop-apiserver", func(context.Context, controlRequest) (controlResponse, error) {
+		took, err := c.stopAPIServer()
+		return controlResponse{Message: fmt.Sprintf("kube-apiserver stopped after %.1fs", took.Seconds())}, err
+	})
+	handle("/start-apiserver", func(context.Context, controlRequest) (controlResponse, error) {
+		took, err := c.startAPIServer()
+		return controlResponse{Message: fmt.Sprintf("kube-apiserver ready after %.1fs", took.Seconds())}, err
+	})
 	handle("/nodes", func(context.Context, controlRequest) (controlResponse, error) {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -274,8 +282,20 @@ func (c *cluster) handlePreempt(ctx context.Context, req controlRequest) (contro
 		// The machine stops: processes die, the heartbeat ends, then the cloud's node
 		// controller deletes the Node object and pod GC cleans up its pods.
 		a.killAll(0)
-		err := c.admin.CoreV1().Nodes().Delete(c.ctx, req.Node, metav1.DeleteOptions{})
-		c.logf("preempt %s: machine gone, Node deleted (err=%v)", req.Node, err)
+		// The cloud's node controller keeps trying (the API server may be down just then).
+		for {
+			err := c.admin.CoreV1().Nodes().Delete(c.ctx, req.Node, metav1.DeleteOptions{})
+			if err == nil || apierrors.IsNotFound(err) {
+				c.logf("preempt %s: machine gone, Node deleted", req.Node)
+				return
+			}
+			c.logf("preempt %s: machine gone, deleting the Node: %v (retrying)", req.Node, err)
+			select {
+			case <-c.ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+		}
 	}()
 	if req.Wait {
 		select {

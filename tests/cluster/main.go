@@ -20,6 +20,8 @@ const usage = `usage:
   localcluster kill-node NODE --dir DIR
   localcluster add-node --dir DIR [--spot]
   localcluster nodes --dir DIR
+  localcluster stop-apiserver --dir DIR    (SIGTERM kube-apiserver; etcd and every other part keep running)
+  localcluster start-apiserver --dir DIR   (the same kube-apiserver again; returns once it is ready)
   localcluster kubectl ARGS...     (kubectl built from the same k8s.io/kubernetes)
 `
 
@@ -52,7 +54,7 @@ func main() {
 		os.Exit(runEtcd(args[0], cp, pp))
 	case "up":
 		os.Exit(cmdUp(args))
-	case "preempt", "kill-node", "add-node", "nodes":
+	case "preempt", "kill-node", "add-node", "nodes", "stop-apiserver", "start-apiserver":
 		os.Exit(cmdFault(cmd, args))
 	case "-h", "--help", "help":
 		fmt.Print(usage)

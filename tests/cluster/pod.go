@@ -1051,6 +1051,9 @@ func (w *podWorker) buildExec(spec corev1.Container) ([]string, []string, string
 	return argv, env, workDir, nil
 }
 
+// writeFileMode writes a volume file with exactly the mode the pod asks for (items[].mode,
+// else the volume's defaultMode, else 0644), past the umask, as the kubelet's atomic writer
+// does; the new content replaces the old by rename.
 func writeFileMode(path string, data []byte, mode *int32, def *int32) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
@@ -1062,11 +1065,55 @@ func writeFileMode(path string, data []byte, mode *int32, def *int32) error {
 	if mode != nil {
 		perm = os.FileMode(*mode)
 	}
+	perm &= os.ModePerm
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, perm|0o600); err != nil {
+	_ = os.Remove(tmp) // a leftover read-only one could not be opened for writing
+	if err := os.WriteFile(tmp, data, perm); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp, perm); err != nil {
 		return err
 	}
 	return os.Rename(tmp, path)
+}
+
+// Masks the kubelet adds for the pod's fsGroup (SetVolumeOwnership): group read for
+// read-only volumes (secret, configMap, downwardAPI, projected), group read-write for
+// emptyDir; directories also get setgid and group search.
+const (
+	fsGroupROMask   = os.FileMode(0o440)
+	fsGroupRWMask   = os.FileMode(0o660)
+	fsGroupExecMask = os.FileMode(0o110)
+)
+
+// applyFSGroup gives every file and directory of a volume the pod's fsGroup as its group and
+// the group permissions the kubelet adds. The agent can give a file a group it is not in only
+// when it runs as root; otherwise the group stays the agent's own and only the modes apply
+// (README, "Limitations").
+func applyFSGroup(dir string, gid int64, readOnly bool) error {
+	mask := fsGroupRWMask
+	if readOnly {
+		mask = fsGroupROMask
+	}
+	chown := os.Geteuid() == 0
+	return filepath.Walk(dir, func(path string, info os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		if chown {
+			if err := os.Lchown(path, -1, int(gid)); err != nil {
+				return fmt.Errorf("fsGroup %d on %s: %w", gid, path, err)
+			}
+		}
+		if info.Mode()&os.ModeSymlink != 0 {
+			return nil
+		}
+		m := info.Mode().Perm() | mask
+		if info.IsDir() {
+			m |= os.ModeSetgid | fsGroupExecMask
+		}
+		return os.Chmod(path, m)
+	})
 }
 
 func (w *podWorker) writeKeys(dir string, data map[string][]byte, items []corev1.KeyToPath, def *int32, optional bool, what string) error {
@@ -1203,6 +1250,18 @@ func (w *podWorker) setupVolumes(tokensOnly bool) error {
 		}
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
+		}
+		if sc := p.Spec.SecurityContext; sc != nil && sc.FSGroup != nil {
+			var err error
+			switch {
+			case vs.EmptyDir != nil:
+				err = applyFSGroup(dir, *sc.FSGroup, false)
+			case vs.Secret != nil, vs.ConfigMap != nil, vs.DownwardAPI != nil, vs.Projected != nil:
+				err = applyFSGroup(dir, *sc.FSGroup, true)
+			}
+			if err != nil {
+				return err
+			}
 		}
 	}
 	return nil

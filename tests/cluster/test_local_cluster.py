@@ -7,16 +7,20 @@ nodes add fresh ones first, so the shared nodes stay healthy for later tests.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import urllib3
 from baton_testing.cluster import LocalCluster
 from kubernetes import client
+from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 pytestmark = pytest.mark.cluster
@@ -681,3 +685,169 @@ def test_gke_preemption_shuts_pods_down_on_the_node(
     assert disruption[0]["reason"] == "TerminationByKubelet"
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
     wait_for("the Node object to be removed", lambda: node not in node_names(core), timeout=15)
+
+
+GRACEFUL = """
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("armed", flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def _refuses_connections(local_cluster: LocalCluster) -> bool:
+    server = json.loads((local_cluster.directory / "cluster.json").read_text())["server"]
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_apiserver_restart_keeps_state_and_running_pods(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    # A real kube-apiserver restart: while it is down its port refuses connections and open
+    # watches end; etcd keeps every object; the node agents keep the pods running and the
+    # controllers, scheduler and agents pick up again once it is back.
+    core.create_namespaced_config_map(
+        namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="kept"), data={"k": "v"})
+    )
+    before = core.read_namespaced_config_map("kept", namespace).metadata.resource_version
+    manifest = pod_manifest("survivor", [python_container("main", GRACEFUL)])
+    core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    running = wait_for("the pod to run", lambda: pod_phase(core, namespace, "survivor", "Running"))
+    uid = running["metadata"]["uid"]
+    pids = local_cluster.pod_processes(uid)
+    assert pids
+    ready_nodes = [
+        n["metadata"]["name"]
+        for n in core.list_node().to_dict(serialize=True)["items"]
+        if node_ready(n) == "True"
+    ]
+
+    ended = threading.Event()
+    cut: list[Exception] = []
+
+    def watch() -> None:
+        # A watch that would run for 5 minutes: the API server's shutdown ends it, cleanly or
+        # with the stream cut off mid-chunk (both are how a client sees a restart).
+        try:
+            for _ in k8s_watch.Watch().stream(
+                core.list_namespaced_config_map, namespace, timeout_seconds=300
+            ):
+                pass
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            cut.append(e)
+        finally:
+            ended.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with local_cluster.apiserver_down():
+        assert _refuses_connections(local_cluster)
+        assert ended.wait(timeout=60), "the open watch did not end when the API server stopped"
+        print(f"the watch ended {'with ' + repr(cut[0]) if cut else 'cleanly'}")
+        # Longer than the 8 s node-monitor grace: the node-lifecycle controller cannot act on
+        # it (it cannot write), and the nodes' pods run on.
+        time.sleep(10)
+        assert local_cluster.pod_processes(uid) == pids
+    after = core.read_namespaced_config_map("kept", namespace)
+    assert after.data == {"k": "v"}
+    assert after.metadata.resource_version == before  # the same object, from etcd
+
+    def all_ready() -> bool:
+        nodes = {
+            n["metadata"]["name"]: n for n in core.list_node().to_dict(serialize=True)["items"]
+        }
+        return all(name in nodes and node_ready(nodes[name]) == "True" for name in ready_nodes)
+
+    wait_for("the nodes to be Ready again", all_ready, timeout=120)
+    # The scheduler and the node agents watch again: a new pod is scheduled, runs and ends.
+    done = pod_manifest("after", [python_container("main", "print('ran')")], restartPolicy="Never")
+    core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, done))
+    ran = wait_for(
+        "a pod created after the restart to succeed",
+        lambda: pod_phase(core, namespace, "after", "Succeeded", "Failed"),
+        timeout=120,
+    )
+    assert ran["status"]["phase"] == "Succeeded"
+    pod = read_pod(core, namespace, "survivor")
+    assert pod is not None
+    assert pod["metadata"]["uid"] == uid
+    assert not pod["metadata"].get("deletionTimestamp"), "the outage got the pod evicted"
+    assert pod["status"]["phase"] == "Running"
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert local_cluster.pod_processes(uid) == pids
+
+
+VOLUME_MODES = """
+    import json, os, stat
+    out = {}
+    for vol in ("SECRET", "CONFIG"):
+        root = os.environ["LOCALCLUSTER_VOLUME_" + vol]
+        for name in sorted(os.listdir(root)):
+            st = os.stat(os.path.join(root, name))
+            out[vol.lower() + "/" + name] = [oct(stat.S_IMODE(st.st_mode)), st.st_gid]
+    print(json.dumps(out), flush=True)
+"""
+
+
+def _volume_modes(
+    local_cluster: LocalCluster, core: client.CoreV1Api, ns: str, name: str, **spec: Any
+) -> dict[str, list[Any]]:
+    mounts = [{"name": "secret", "mountPath": "/s"}, {"name": "config", "mountPath": "/c"}]
+    volumes = [
+        {
+            "name": "secret",
+            "secret": {
+                "secretName": "modes",
+                "defaultMode": 0o440,
+                "items": [{"key": "a", "path": "a"}, {"key": "b", "path": "b", "mode": 0o600}],
+            },
+        },
+        {"name": "config", "configMap": {"name": "modes"}},
+    ]
+    container = python_container("main", VOLUME_MODES) | {"volumeMounts": mounts}
+    manifest = pod_manifest(name, [container], restartPolicy="Never", volumes=volumes, **spec)
+    core.create_namespaced_pod(ns, build(client.V1Pod.from_dict, manifest))
+    pod = wait_for(f"{name} to finish", lambda: pod_phase(core, ns, name, "Succeeded", "Failed"))
+    logs = local_cluster.kubectl("logs", "-n", ns, name).stdout
+    assert pod["status"]["phase"] == "Succeeded", logs
+    seen: dict[str, list[Any]] = json.loads(logs.strip().splitlines()[-1])
+    return seen
+
+
+def test_volume_file_modes_and_fs_group_as_the_kubelet_writes_them(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    core.create_namespaced_secret(
+        namespace,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name="modes"), string_data={"a": "1", "b": "2"}
+        ),
+    )
+    core.create_namespaced_config_map(
+        namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="modes"), data={"c": "3"})
+    )
+    own_gid = os.getegid()
+    # Without fsGroup: defaultMode and items[].mode exactly (past the umask), the agent's group.
+    plain = _volume_modes(local_cluster, core, namespace, "plain")
+    assert plain == {
+        "secret/a": ["0o440", own_gid],
+        "secret/b": ["0o600", own_gid],
+        "config/c": ["0o644", own_gid],
+    }
+    # With fsGroup: the group is the fsGroup, and read-only volumes gain group read (the
+    # kubelet's SetVolumeOwnership). Only root can give a file a group it is not in.
+    grouped = _volume_modes(
+        local_cluster, core, namespace, "grouped", securityContext={"fsGroup": 2345}
+    )
+    gid = 2345 if os.geteuid() == 0 else own_gid
+    assert grouped == {
+        "secret/a": ["0o440", gid],
+        "secret/b": ["0o640", gid],
+        "config/c": ["0o644", gid],
+    }
