@@ -424,3 +424,26 @@ def operator_process(install: OperatorInstall, workdir: Path) -> OperatorProcess
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:5]}"
+
+
+def poll(
+    predicate: Callable[[], bool], *, timeout: float, what: str, diag: Callable[[], str]
+) -> float:
+    """Poll ``predicate`` until it is true and return the seconds that took; on timeout fail
+    naming ``what``, followed by ``diag()``. For conditions outside a job's status (the
+    Lease, metrics, ``/healthz``); :meth:`Baton.wait_for` is the one for status."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + diag())
+
+
+def api_errors(op: OperatorProcess, code: str) -> float:
+    """The operator's ``baton_operator_api_errors_total`` for ``code``, summed over verbs."""
+    total = 0.0
+    for line in op.metrics().splitlines():
+        if line.startswith("baton_operator_api_errors_total{") and f'code="{code}"' in line:
+            total += float(line.split()[-1])
+    return total

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from baton_testing.operator_harness import (
     OperatorProcess,
     PodWatcher,
     operator_process,
+    poll,
     unique,
 )
 
@@ -44,18 +44,6 @@ def standby(baton: Baton, tmp_path: Path) -> Iterator[OperatorProcess]:
         op.stop()
 
 
-def _wait(
-    predicate: Callable[[], bool], *, timeout: float, what: str, diag: Callable[[], str]
-) -> float:
-    """Poll ``predicate`` until true; returns the seconds it took."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + diag())
-
-
 def _leader_gauge(op: OperatorProcess) -> float:
     for line in op.metrics().splitlines():
         if line.startswith("baton_operator_leader "):
@@ -67,7 +55,7 @@ def _active_and_standby(
     baton: Baton, other: OperatorProcess
 ) -> tuple[OperatorProcess, OperatorProcess]:
     ops = {baton.operator.identity: baton.operator, other.identity: other}
-    _wait(
+    poll(
         lambda: baton.lease_holder() in ops,
         timeout=120,
         what="one of the two operators to hold the Lease",
@@ -91,7 +79,7 @@ def test_two_operators_one_acts_through_a_preemption(
 ) -> None:
     baton.cluster.add_node()  # replaces the node this test takes away
     active, passive = _active_and_standby(baton, standby)
-    _wait(
+    poll(
         lambda: _leader_gauge(active) == 1 and _leader_gauge(passive) == 0,
         timeout=60,
         what="the leader gauges (1 on the active replica, 0 on the standby)",
@@ -152,7 +140,7 @@ def test_kill_9_of_the_active_operator_at_checkpointing(
         job, lambda s: s.get("phase") == "Checkpointing", timeout=180, what="Checkpointing"
     )
     active.kill()
-    took = _wait(
+    took = poll(
         lambda: baton.lease_holder() == passive.identity,
         timeout=120,
         what="the standby to take the Lease",

@@ -24,6 +24,7 @@ from baton_testing.operator_harness import (
     SERVICE_ACCOUNT,
     Baton,
     OperatorInstall,
+    poll,
     unique,
 )
 
@@ -193,17 +194,6 @@ def binding_restored(baton: Baton) -> Iterator[None]:
     baton.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
 
-def _poll(
-    predicate: Callable[[], bool], *, timeout: float, what: str, diag: Callable[[], str]
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + diag())
-
-
 def test_an_rbac_outage_is_visible_and_recovered_from(baton: Baton, binding_restored: None) -> None:
     job = unique("tj-rbac")
     baton.submit(job, steps=60, every_steps=5, sleep=0.3)
@@ -219,16 +209,16 @@ def test_an_rbac_outage_is_visible_and_recovered_from(baton: Baton, binding_rest
         )
 
     diag: Callable[[], str] = lambda: baton.diagnostics(job)  # noqa: E731
-    _poll(forbidden_counted, timeout=120, what="403s in the API error metric", diag=diag)
+    poll(forbidden_counted, timeout=120, what="403s in the API error metric", diag=diag)
     # Health fails once every call has failed for 30 s: the kubelet would restart it.
-    _poll(lambda: baton.operator.healthz() == 503, timeout=180, what="/healthz 503", diag=diag)
+    poll(lambda: baton.operator.healthz() == 503, timeout=180, what="/healthz 503", diag=diag)
     baton.cluster.kubectl(
         "apply",
         "-f",
         "-",
         input=yaml.safe_dump_all(rbac.rbac_manifests(OPERATOR_NS, SERVICE_ACCOUNT)),
     )
-    _poll(lambda: baton.operator.healthz() == 200, timeout=180, what="/healthz 200", diag=diag)
+    poll(lambda: baton.operator.healthz() == 200, timeout=180, what="/healthz 200", diag=diag)
 
     def recovered(s: dict[str, Any]) -> bool:
         degraded = [c for c in s.get("conditions") or [] if c.get("type") == "Degraded"]

@@ -1,0 +1,149 @@
+"""A 60 s API-server outage that begins while a preempted job is in ``Checkpointing``.
+
+The real kube-apiserver of the shared local cluster is stopped (``localcluster
+stop-apiserver``: its port refuses connections, every watch ends, etcd keeps the data) and
+started again 60 s later. The operator runs ``--standalone``: with leader election the active
+replica stops within ``lease_renew_deadline_seconds`` of an unrenewable Lease, by design, and
+its restart is a standby until the API server is back (docs/operator.md, "Faults"); that
+path's recovery is the one ``test_ha_cluster.py`` tests after ``kill -9``.
+
+What is asserted: the operator process lives through the outage, counts the refused calls in
+``baton_operator_api_errors_total{code="0"}`` and fails ``/healthz`` while it lasts; afterwards
+``/healthz`` recovers, the job's ``Degraded`` condition and an ``APIRecovered`` Event give the
+outage's cause and length, and the preemption ends exactly as without the outage: one attempt
+increment, the reported resume step equal to the step the trainers load, no duplicate or
+overlapping pods, no lost or recomputed step. On the way, the sidecar token file of a real pod
+is checked as the node agent wrote it: mode 0440, group the pod's ``fsGroup``.
+
+Cost: about 60 s of outage plus one short 2-rank job (see the report in the test's output).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from baton_operator import manifests
+from baton_testing.operator_harness import (
+    Baton,
+    OperatorInstall,
+    PodWatcher,
+    api_errors,
+    operator_process,
+    poll,
+    unique,
+)
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 40
+OUTAGE_S = 60.0
+
+
+@pytest.fixture
+def standalone(operator_install: OperatorInstall, tmp_path: Path) -> Iterator[Baton]:
+    """One operator without leader election (the process that must live through the outage)."""
+    op = operator_process(operator_install, tmp_path)
+    op.args.append("--standalone")
+    op.start()
+    try:
+        yield Baton(install=operator_install, workdir=tmp_path, operator=op)
+    finally:
+        op.stop()
+
+
+def _token_file(baton: Baton, job: str) -> tuple[Path, dict[str, Any]]:
+    """The token file the node agent wrote for rank 0's pod, and that pod."""
+    pod = next(p for p in baton.pods(job) if p["metadata"]["labels"]["baton.dev/rank"] == "0")
+    meta = pod["metadata"]
+    pod_dir = baton.cluster.directory / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+    return pod_dir / "volumes" / manifests.TOKEN_VOLUME / manifests.TOKEN_KEY, pod
+
+
+def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
+    baton = standalone
+    began = time.monotonic()
+    baton.cluster.add_node()  # replaces the node this test takes away
+    job = unique("tj-outage")
+    baton.submit(job, steps=STEPS, every_steps=5, sleep=0.3)
+    watcher = PodWatcher(baton, job)
+    baton.wait_phase(job, "Running", timeout=240)
+    baton.wait_steps(job, 8, timeout=180)
+
+    # The sidecar token file as written for a real pod: group-only, the pod's fsGroup.
+    token, pod = _token_file(baton, job)
+    st = token.stat()
+    fs_group = pod["spec"]["securityContext"]["fsGroup"]
+    assert fs_group == manifests.DEFAULT_FS_GROUP
+    assert stat.S_IMODE(st.st_mode) == 0o440, oct(st.st_mode)
+    # Only root can give a file a group it is not in (tests/cluster/README.md, "Limitations").
+    assert st.st_gid == (fs_group if os.geteuid() == 0 else os.getegid())
+
+    baton.cluster.preempt(baton.node_of(job, 1), provider="karpenter", grace_s=40)
+    baton.wait_for(
+        job, lambda s: s.get("phase") == "Checkpointing", timeout=180, what="Checkpointing"
+    )
+    op = baton.operator
+
+    def log() -> str:
+        return f"\n--- operator log ---\n{op.tail()}"
+
+    refused_before = api_errors(op, "0")
+    with baton.cluster.apiserver_down():
+        down = time.monotonic()
+        poll(
+            lambda: api_errors(op, "0") > refused_before,
+            timeout=OUTAGE_S,
+            what='refused API calls in baton_operator_api_errors_total{code="0"}',
+            diag=log,
+        )
+        # /healthz fails once every call has failed for its 30 s grace.
+        took = poll(lambda: op.healthz() == 503, timeout=OUTAGE_S, what="/healthz 503", diag=log)
+        print(f"/healthz failed {took:.1f}s into the outage")
+        # The rest of the 60 s: the outage is the stimulus, not a wait for a condition.
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down)))
+        assert op.proc is not None
+        assert op.proc.poll() is None, "the operator died during the outage" + log()
+    outage = time.monotonic() - down
+    poll(lambda: op.healthz() == 200, timeout=180, what="/healthz 200 again", diag=log)
+
+    def recovered(s: dict[str, Any]) -> bool:
+        degraded = [c for c in s.get("conditions") or [] if c.get("type") == "Degraded"]
+        return bool(degraded) and degraded[0]["reason"] == "APIRecovered"
+
+    status = baton.wait_for(job, recovered, timeout=240, what="Degraded=False/APIRecovered")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False", degraded
+    assert "APITimeout" in degraded["message"] or "APIUnavailable" in degraded["message"], degraded
+    assert any(e.startswith("APIRecovered:") for e in baton.events(job)), baton.diagnostics(job)
+
+    def restarted(s: dict[str, Any]) -> bool:
+        return int(str(s.get("attempt", 0))) >= 1 and s.get("phase") in ("Pending", "Running")
+
+    at_restart = baton.wait_for(job, restarted, timeout=240, what="the next attempt")
+    diag = baton.diagnostics(job)
+    last = at_restart.get("lastCheckpoint") or {}
+    assert last.get("step") is not None, f"no committed step known at the restart{diag}"
+    assert at_restart.get("resumedFromStep") == last.get("step"), diag
+    # The step the operator reports is the step the trainers are told to load.
+    assert baton.resume_env(job, 1) == {str(last.get("step"))}, diag
+    assert at_restart.get("preemptions") == 1, diag
+    assert at_restart.get("failures") == 0, diag
+    final = baton.wait_phase(job, "Succeeded", timeout=360)
+    watcher.stop()
+    diag = baton.diagnostics(job)
+    assert final["attempt"] == 1, f"one preemption, one attempt increment{diag}"
+    # Sampling pods fails while the API server is down; what was sampled must be clean.
+    assert watcher.violations(replicas=2, tolerate_errors=True) == [], diag
+    assert baton.loss_steps(job) == list(range(1, STEPS + 1)), (
+        f"a step was lost or recomputed around the notice at {last.get('step')}{diag}"
+    )
+    restarts = [e for e in baton.events(job) if e.startswith("Restarting:")]
+    assert len(restarts) == 1, f"the restart was acted on {len(restarts)} times{diag}"
+    print(f"outage {outage:.1f}s; test wall time {time.monotonic() - began:.0f}s")
+    baton.delete(job)
