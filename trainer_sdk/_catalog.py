@@ -64,6 +64,7 @@ __all__ = [
     "read_fence",
     "read_manifest",
     "register_attempt",
+    "retain",
     "step_dirs",
     "unreadable",
 ]
@@ -307,3 +308,36 @@ def register_attempt(uri: Location, attempt: int | None) -> int:
         if storage.replace_if(FENCE, json.dumps({"attempt": mine}).encode(), token=token):
             return mine
     raise StorageError(f"{storage.uri}/{FENCE} kept changing under us; retry")
+
+
+def retain(storage: Storage, *, committed: int, keep_last: int, attempt: int | None) -> None:
+    """Delete complete steps beyond the newest ``keep_last``, and step directories older than
+    ``committed`` that have no manifest object at all (crashed or failed saves).
+
+    The Checkpointer calls it on rank 0 only after ``committed``'s manifest is written, so the
+    newest complete checkpoint is never deleted, and never before its successor is durable.
+    Only steps older than ``committed`` are touched: a newer directory may be a save that
+    another rank has already started (the next async save), and is not ours to judge.
+    Fencing: if a newer attempt than ``attempt`` has started under the uri, nothing is
+    deleted, and a step committed by a newer attempt is never deleted.
+    """
+    if attempt is not None:
+        newest = newest_attempt(storage)
+        if newest > attempt:
+            log.warning(
+                "attempt %d of this job has started writing under %s: this (stale) attempt %d "
+                "deletes nothing there",
+                newest,
+                storage.uri,
+                attempt,
+            )
+            return
+    complete = complete_steps(storage)
+    keep = set(sorted(complete)[-keep_last:]) | {committed}
+    for old, manifest in complete.items():
+        if old < committed and old not in keep:
+            if attempt is not None and manifest.attempt > attempt:
+                continue
+            delete_step(storage, old)
+    for name in cleanup_incomplete(storage, older_than=committed):
+        log.info("removed incomplete checkpoint directory %s", name)

@@ -1,4 +1,8 @@
-"""Bounded collectives that carry JSON, for the save/load protocol.
+"""Every collective the SDK runs: bounded ones that carry JSON, and the numeric agreements.
+
+The save/load protocol and the Checkpointer's restore exchange JSON (below); the notice
+agreement and the deadline check reduce a few numbers with MAX (at the end). No other SDK
+module calls ``torch.distributed`` collectives itself.
 
 Why not ``all_gather_object``: it pickles. Here objects travel as UTF-8 JSON in uint8
 tensors (sizes first, then the padded payloads), so nothing received is ever unpickled.
@@ -26,7 +30,15 @@ import torch.distributed as dist
 
 from trainer_sdk.errors import CollectiveTimeoutError
 
-__all__ = ["all_gather_json", "broadcast_json", "group_rank_world", "is_distributed"]
+__all__ = [
+    "all_gather_json",
+    "all_reduce_max",
+    "all_reduce_max_",
+    "broadcast_json",
+    "group_rank_world",
+    "is_distributed",
+    "start_all_reduce_max_",
+]
 
 _counters: dict[str, itertools.count[int]] = {}
 
@@ -181,3 +193,37 @@ def broadcast_json(obj: Any, *, group: dist.ProcessGroup | None, timeout: float,
     work = dist.broadcast(buf, src=src, group=group, async_op=True)
     _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     return json.loads(bytes(buf.cpu().numpy().tobytes()))
+
+
+# ---------------------------------------------------- numeric agreements (no payload to parse)
+
+
+def all_reduce_max(values: list[float], *, group: dist.ProcessGroup | None) -> list[float]:
+    """Element-wise maximum of ``values`` over ``group`` (float64); ``values`` alone without one.
+
+    Blocking: bounded by the group's own timeout (the Checkpointer creates its groups with
+    its ``timeout``).
+    """
+    if group is None:
+        return list(values)
+    vec = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    return [float(x) for x in vec.tolist()]
+
+
+def all_reduce_max_(vec: torch.Tensor, *, group: dist.ProcessGroup) -> None:
+    """In-place element-wise maximum of ``vec`` over ``group`` (blocking, like
+    :func:`all_reduce_max`)."""
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+
+
+def start_all_reduce_max_(vec: torch.Tensor, *, group: dist.ProcessGroup) -> Any:
+    """Start an in-place element-wise maximum of ``vec`` over ``group``; returns the work
+    (``work.wait(timeout)`` finishes it, ``vec`` holds the result after).
+
+    The process group's own call: ``dist.all_reduce``'s checks cost more than the
+    collective's start on a short step (tens of microseconds).
+    """
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+    return group.allreduce([vec], opts)

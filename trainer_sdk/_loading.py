@@ -268,11 +268,10 @@ def torch_dtype(code: str) -> torch.dtype:
 class _TensorRestorer:
     """Fills the tensors a :class:`~trainer_sdk._tree.TreeDecoder` meets, from the shards."""
 
-    def __init__(self, reader: Reader, rank: int, world: int, strict: bool) -> None:
+    def __init__(self, reader: Reader, rank: int, strict: bool) -> None:
         self.r = reader
         self.m = reader.m
         self.rank = rank
-        self.world = world
         self.strict = strict
         self.dtensor = dtensor_type()
 
@@ -352,9 +351,12 @@ def load_step(
     err: BaseException | None = None
     info: LoadInfo | None = None
     try:
-        info = _load_local(
-            state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run
-        )
+        try:
+            info = _load_step(
+                state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run
+            )
+        except (OSError, StorageError) as e:  # I/O, permissions, throttling after every retry
+            raise _catalog.unreadable(e, step, "loading it") from e
     except Exception as e:
         if world == 1:
             raise
@@ -398,24 +400,6 @@ def load_step(
     return dataclasses.replace(info, seconds=time.perf_counter() - started)
 
 
-def _load_local(
-    state: dict[str, Any],
-    storage: Storage,
-    step: int,
-    *,
-    rank: int,
-    world: int,
-    strict: bool,
-    read_run: int,
-) -> LoadInfo:
-    try:
-        return _load_step(
-            state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run
-        )
-    except (OSError, StorageError) as e:  # I/O, permissions, throttling after every retry
-        raise _catalog.unreadable(e, step, "loading it") from e
-
-
 def _load_step(
     state: dict[str, Any],
     storage: Storage,
@@ -439,7 +423,7 @@ def _load_step(
         )
         if not isinstance(global_tree, dict):
             raise ManifestError("rank 0's JSON tree is not an object")
-        decoder = TreeDecoder(_TensorRestorer(reader, rank, world, strict).tensor, strict=strict)
+        decoder = TreeDecoder(_TensorRestorer(reader, rank, strict).tensor, strict=strict)
         if strict:
             lost = [k for k in state if k not in global_tree]
             if lost:

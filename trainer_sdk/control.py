@@ -2,9 +2,11 @@
 
 The sidecar (or anything else that wants a checkpoint) writes ``request.json``; the SDK polls it at
 step boundaries, takes the request and reports progress in ``status.json``, which the sidecar
-reads. The directory is an ``emptyDir`` mounted in both containers
-(``$BATON_CONTROL_DIR``), so plain files are the whole protocol: no sockets, no shared process
-namespace, and it works the same way without Kubernetes.
+reads. The directory is an ``emptyDir`` mounted in both containers (``$BATON_CONTROL_DIR``), so
+plain files are the whole protocol: no sockets, no shared process namespace, and it works the
+same way without Kubernetes. (Why one module of this size: it is the whole wire contract with
+the sidecar, both sides' reading and writing of it and its vocabularies, in the one SDK module
+the sidecar imports.)
 
 Rules that keep the two sides honest:
 

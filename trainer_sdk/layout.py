@@ -6,6 +6,10 @@ names is read: file names must be plain names matching :data:`FILE_RE` (no ``..`
 no absolute paths), sizes and offsets must be consistent, and JSON and headers are bounded.
 A manifest that fails any check raises :class:`~trainer_sdk.errors.ManifestError`.
 
+Why one module of this size: the format's names, its schema and the checks that guard every
+read must change together (a field added without its check is a hole), and the CLI needs all
+of them without torch.
+
 Layout (see ``docs/format.md``)::
 
     <uri>/step-000000001200/rank-00000-of-00004.safetensors   tensors this rank wrote

@@ -39,8 +39,8 @@ from types import FrameType
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 
+from trainer_sdk._collectives import all_reduce_max_, start_all_reduce_max_
 from trainer_sdk.control import ControlChannel, ControlError, Request, Trigger, parse_rfc3339
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "PendingAgreement",
     "SigtermListener",
     "agree",
-    "agree_max",
     "agreement_buffer",
     "start_agreement",
 ]
@@ -130,7 +129,7 @@ def agree(local: LocalNotice, *, rank: int, group: Any | None) -> Agreement:
     """
     vec = _vector(local, rank, time.monotonic())
     if group is not None:
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_max_(vec, group=group)
     return _decode(vec)
 
 
@@ -178,13 +177,7 @@ def start_agreement(
     used it must have been waited for); saves an allocation on every step.
     """
     vec = _vector(local, rank, boundary, out=buffer)
-    work = None
-    if group is not None:
-        # The process group's own call: dist.all_reduce's checks cost more than the
-        # collective's start on a short step (tens of microseconds).
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-        work = group.allreduce([vec], opts)
+    work = start_all_reduce_max_(vec, group=group) if group is not None else None
     return PendingAgreement(step=step, local=local, vec=vec, work=work)
 
 
@@ -225,15 +218,6 @@ def _decode(vec: torch.Tensor) -> Agreement:
         background_failed=bool(v[_BG_FAILED]),
         periodic_due=bool(v[_PERIODIC]),
     )
-
-
-def agree_max(values: list[float], *, group: Any | None) -> list[float]:
-    """Element-wise maximum of ``values`` over ``group`` (float64), or ``values`` alone."""
-    if group is None:
-        return list(values)
-    vec = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    return [float(x) for x in vec.tolist()]
 
 
 class SigtermListener:

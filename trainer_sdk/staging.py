@@ -295,10 +295,23 @@ def stage_and_commit(
     return saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
 
 
-# One saver per process for async_save(): its buffers and process group are reused by every
-# call (a dict, not a global statement, so the lock is the only thing that guards it).
-_default: dict[str, AsyncSaver] = {}
-_default_lock = threading.Lock()
+class _ProcessSaver:
+    """The one AsyncSaver of this process that :func:`async_save` uses: created by the first
+    call, then reused (its host buffers and its process group) by every later one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saver: AsyncSaver | None = None
+
+    def get(self, *, timeout: timedelta) -> AsyncSaver:
+        """The saver, created with ``timeout`` on the first call."""
+        with self._lock:
+            if self._saver is None:
+                self._saver = AsyncSaver(timeout=timeout)
+            return self._saver
+
+
+_PROCESS_SAVER: Final = _ProcessSaver()
 
 
 def async_save(
@@ -317,10 +330,7 @@ def async_save(
     returns, the tensors in ``state`` may be modified: the save writes the staged copy. Call
     ``.wait()`` on the handle (or on the last one before exiting) to learn the outcome.
     """
-    with _default_lock:
-        saver = _default.get("saver")
-        if saver is None:
-            saver = _default["saver"] = AsyncSaver(timeout=timedelta(seconds=timeout))
+    saver = _PROCESS_SAVER.get(timeout=timedelta(seconds=timeout))
     saver.wait_previous()
     rank, world = (
         (dist.get_rank(), dist.get_world_size())

@@ -14,6 +14,10 @@ that readers check against the manifests, so it needs no conditional write.
 
 Configuration comes from the standard AWS variables (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``,
 the credentials chain) and from :class:`S3Config`. Credentials are never logged.
+
+Why one module of this size: the writer, the ranged reader and the conditional writes share
+one client, its configuration and its error translation; the retry policy, which has no
+S3 knowledge of its own, lives apart in ``_s3_retry.py``.
 """
 
 from __future__ import annotations
@@ -204,13 +208,13 @@ def part_size(first: int, part_number: int) -> int:
 
 
 _LOADER_LOCK = threading.Lock()
-_LOADER: list[Any] = []
+"""Guards the creation of clients (and of the shared loader, on the first one)."""
 
 
+@functools.cache
 def _loader() -> Any:
-    if not _LOADER:
-        _LOADER.append(botocore.loaders.create_loader())
-    return _LOADER[0]
+    """The process's one botocore data loader: the S3 model is parsed once per process."""
+    return botocore.loaders.create_loader()
 
 
 def _multipart_etag(etags: list[str]) -> str:

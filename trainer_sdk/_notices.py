@@ -1,0 +1,239 @@
+"""Serving a checkpoint notice, and telling the sidecar about it: the Checkpointer's reporting.
+
+The :class:`~trainer_sdk.checkpointer.Checkpointer` decides *when* (its policies and the notice
+agreement) and owns the state and the saves; this module holds the two things it delegates:
+
+* :class:`StatusReporter`: this local rank's status file in the control directory (state,
+  step, phases, bytes, errors) and its heartbeat, which the sidecar folds into the pod's
+  status and metrics (``docs/contracts.md``). Thread-safe: async commits report from the
+  background writer's thread.
+* :class:`NoticeServer`: what happens once every rank agreed that a notice arrived: drain a
+  save in flight, plan the emergency save, agree on the slowest rank's estimate against rank
+  0's clock, skip the save if it cannot end before the deadline minus the margin, else save
+  inside the deadline scope; and report each state (``requested``, ``saving``,
+  ``committed``, ``skipped``, ``failed``) as it goes.
+
+Log records go to the ``trainer_sdk.checkpointer`` logger, where users (and tests) already
+listen for the Checkpointer's notices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from trainer_sdk._collectives import all_reduce_max
+from trainer_sdk._deadline import SaveEstimator, deadline_scope
+from trainer_sdk._saving import SaveInfo
+from trainer_sdk.control import ControlChannel, SavePhase, State, Status
+from trainer_sdk.errors import CheckpointError
+from trainer_sdk.planning import FlatState, SavePlan
+from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
+
+__all__ = ["HEARTBEAT_EVERY_S", "NoticeServer", "StatusReporter"]
+
+log = logging.getLogger("trainer_sdk.checkpointer")
+
+HEARTBEAT_EVERY_S: Final = 5.0
+"""Seconds between heartbeats of the status file while training runs (the sidecar's liveness
+reads its age)."""
+
+
+class StatusReporter:
+    """This local rank's status file: every local rank reports in its own, and the sidecar
+    folds them into one pod status. Without a control channel it only keeps the status."""
+
+    def __init__(
+        self, channel: ControlChannel | None, *, local_rank: int, local_world_size: int
+    ) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._last_beat = 0.0
+        self._status = Status(
+            state=State.IDLE, local_rank=local_rank, local_world_size=local_world_size
+        )
+        self._write(self._status)
+
+    @property
+    def status(self) -> Status:
+        """The status last written."""
+        return self._status
+
+    def update(self, **changes: Any) -> None:
+        """Change fields of the status and write it (a state change also stamps ``updated``)."""
+        with self._lock:
+            status = dataclasses.replace(self._status, **changes) if changes else self._status
+            if changes and "updated" not in changes and "state" in changes:
+                status = dataclasses.replace(status, updated=datetime.now(UTC))
+            status = status.beat()
+            self._status = status
+            self._write(status)
+
+    def heartbeat(self) -> None:
+        """Rewrite the status with a fresh heartbeat, at most every ``HEARTBEAT_EVERY_S``."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_EVERY_S:
+            self._last_beat = now
+            self.update()
+
+    def _write(self, status: Status) -> None:
+        if self._channel is None:
+            return
+        try:
+            self._channel.write_status(status)
+        except OSError as e:
+            log.warning("could not write a status file in %s: %s", self._channel.directory, e)
+
+
+Prepared = tuple[FlatState, SavePlan]
+"""A flattened state and this rank's save plan, ready to write."""
+
+
+@dataclass(kw_only=True)
+class NoticeServer:
+    """Serves an agreed notice on this rank (every rank serves it at the same step).
+
+    The Checkpointer builds it once and hands it the steps of a save it owns: ``drain`` (wait
+    for a save in flight, raising its failure), ``prepare`` (flatten and plan ``step``),
+    ``probe`` (calibrate the estimate before a first save), ``save`` (a synchronous save of
+    a prepared step), ``last_committed`` and ``step_uri``.
+    """
+
+    rank: int
+    group: Any | None
+    """The Checkpointer's gloo group for the estimate agreement; None: a single process."""
+    deadline_margin: float
+    board: NoticeBoard
+    status: StatusReporter
+    estimator: SaveEstimator
+    drain: Callable[[], None]
+    prepare: Callable[[int], Prepared]
+    probe: Callable[[], None]
+    save: Callable[[int, str, Prepared], SaveInfo]
+    last_committed: Callable[[], int | None]
+    step_uri: Callable[[int], str]
+
+    def serve(self, step: int, local: LocalNotice, agreement: Agreement) -> bool:
+        """Save ``step`` for the notice in ``agreement``, or skip it if it cannot finish in
+        time; returns True (the caller stops training). A background save that failed before
+        it is raised after the notice was served."""
+        notice_t = time.perf_counter()
+        trigger = agreement.trigger
+        deadline_dt = (
+            None
+            if agreement.deadline is None
+            else datetime.fromtimestamp(agreement.deadline, tz=UTC)
+        )
+        log.warning(
+            "rank %d: checkpoint notice (%s) at step %d%s",
+            self.rank,
+            ", ".join(sorted(agreement.sources)),
+            step,
+            "" if deadline_dt is None else f", deadline {deadline_dt.isoformat()}",
+        )
+        self.status.update(
+            state=State.REQUESTED,
+            request_id=local.control.id if local.control is not None else None,
+            step=step,
+            trigger=trigger,
+            deadline=deadline_dt,
+            error=None,
+            seconds=None,
+            phases={},
+            bytes=None,
+            uri=None,
+        )
+        bg_error: BaseException | None = None
+        try:
+            # An async save in flight finishes first: it is an older, consistent step and
+            # commits normally. If it failed, the emergency save still goes ahead, and the
+            # failure is raised after it.
+            try:
+                self.drain()
+            except Exception as e:
+                bg_error = e
+                log.error("the background save before the emergency save failed: %s", e)
+            drain_s = time.perf_counter() - notice_t
+            if step == self.last_committed():
+                # Already committed at this very step (a periodic save just before): done.
+                self._finish(local, step, notice_t, {SavePhase.DRAIN: drain_s}, None)
+                return self._after(step, bg_error)
+            t = time.perf_counter()
+            prepared = self.prepare(step)
+            nbytes = prepared[1].nbytes
+            if not self.estimator.measured:
+                self.probe()
+            estimate = self.estimator.estimate(nbytes) or 0.0
+            # The slowest rank's estimate against rank 0's clock: the same verdict everywhere.
+            est_max, now0 = all_reduce_max(
+                [estimate, time.time() if self.rank == 0 else 0.0], group=self.group
+            )
+            plan_s = time.perf_counter() - t
+            if agreement.deadline is not None:
+                left = agreement.deadline - self.deadline_margin - now0
+                if est_max > left:
+                    last = self.last_committed()
+                    reason = (
+                        f"skipped: a save of step {step} is estimated at {est_max:.2f}s but only "
+                        f"{max(left, 0.0):.2f}s are left before the deadline minus the "
+                        f"{self.deadline_margin:g}s margin; the job will resume from "
+                        + (f"step {last}" if last is not None else "the start (no checkpoint yet)")
+                    )
+                    log.error("%s", reason)
+                    self.status.update(
+                        state=State.SKIPPED,
+                        error=reason,
+                        seconds=time.perf_counter() - notice_t,
+                        phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
+                    )
+                    self.board.served(local)
+                    return self._after(step, bg_error)
+            self.status.update(state=State.SAVING)
+            # Storage retries (S3) never start one that could not end before the margin.
+            with deadline_scope(
+                None if agreement.deadline is None else agreement.deadline - self.deadline_margin
+            ):
+                info = self.save(step, trigger, prepared)
+            phases = {SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s, **info.phases}
+            self._finish(local, step, notice_t, phases, info.bytes)
+        except BaseException as e:
+            self.status.update(state=State.FAILED, error=f"{type(e).__name__}: {e}")
+            self.board.served(local)
+            raise
+        return self._after(step, bg_error)
+
+    def _finish(
+        self,
+        local: LocalNotice,
+        step: int,
+        notice_t: float,
+        phases: dict[str, float],
+        total_bytes: int | None,
+    ) -> None:
+        total = time.perf_counter() - notice_t
+        self.status.update(
+            state=State.COMMITTED,
+            seconds=total,
+            uri=self.step_uri(step),
+            phases=phases,
+            bytes=total_bytes,
+            last_committed_step=step,
+        )
+        self.board.served(local)
+        log.warning(
+            "rank %d: emergency checkpoint of step %d committed in %.2fs", self.rank, step, total
+        )
+
+    def _after(self, step: int, bg_error: BaseException | None) -> bool:
+        if bg_error is not None:
+            raise CheckpointError(
+                f"the notice at step {step} was served, but the background save before it "
+                f"failed: {bg_error}"
+            ) from bg_error
+        return True
