@@ -74,14 +74,18 @@ def test_hf_trainer_job_survives_a_spot_notice_bitwise(baton: Baton, hf_referenc
         return int(s.get("attempt", 0)) >= 1 and s.get("phase") in ("Pending", "Running")
 
     at_restart = baton.wait_for(job, restarted, timeout=180, what="the next attempt")
-    diag = baton.diagnostics(job)
     last = at_restart.get("lastCheckpoint") or {}
+    # Read first: the resumed run's periodic saves (save_total_limit=2) retire this step once
+    # it has saved twice, which takes it many seconds from here (pods start, torch imports).
+    saved_path = out / "ckpt" / f"step-{int(last.get('step', 0)):012d}" / "manifest.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.is_file() else {}
+    diag = baton.diagnostics(job)
     assert last.get("trigger") == "notice", f"the restart did not follow a notice save{diag}"
     step = int(last["step"])
+    assert saved, f"{saved_path} is not there{diag}"
     assert at_restart["resumedFromStep"] == step, diag
     assert (at_restart["preemptions"], at_restart["failures"]) == (1, 0), diag
     assert baton.resume_env(job, 1) <= {str(step)}, diag
-    saved = json.loads((out / "ckpt" / f"step-{step:012d}" / "manifest.json").read_text())
     assert saved["world_size"] == 2
     # The operator's request, or the SIGTERM of the drain that came with the notice: one save
     # serves both.
