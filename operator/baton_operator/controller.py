@@ -27,9 +27,9 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from . import lifecycle, manifests, podpolicy, reports
+from . import disruption, lifecycle, manifests, podpolicy, reports
 from .creating import Creator
-from .errors import KubeConflictError, SidecarUnreachableError
+from .errors import KubeConflictError, KubeError, SidecarUnreachableError
 from .jobstatus import JobStatus, iso
 from .kube import Kube
 from .lifecycle import Outcome, Phase, RankView, VerdictKind
@@ -144,6 +144,8 @@ class Reconciler:
             PodView.from_body(p)
             for p in await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
         ]
+        # Derived from the phase on every tick, so no hint outlives its save (restarts too).
+        await self._hint(t, pods, phase)
         if phase in (Phase.SUCCEEDED, Phase.FAILED):
             self._metrics.job_finished(namespace, name)
             if phase is Phase.FAILED:
@@ -209,6 +211,21 @@ class Reconciler:
 
     # ----------------------------------------------------------------- pods
 
+    async def _hint(self, t: Tick, pods: Sequence[PodView], phase: Phase | None) -> None:
+        """Bring the pods' disruption hints in line with ``phase`` (disruption.py).
+
+        A hint is advice to the node removers: a refused patch is logged and tried again at
+        the next tick, and never holds up the save or the restart it is about.
+        """
+        patches = disruption.hint_patches(
+            pods, phase=phase, attempt=t.status.attempt, template=t.spec.template
+        )
+        for name, hints in patches.items():
+            try:
+                await self._kube.patch_pod_annotations(t.spec.namespace, name, hints)
+            except KubeError as e:
+                _log.warning("disruption hints on pod %s not updated: %s", name, e)
+
     async def _delete_pods(self, spec: JobSpec, pods: Sequence[PodView], now: datetime) -> None:
         for pod in pods:
             grace = delete_grace(pod, self._cluster, now=now,
@@ -265,6 +282,8 @@ class Reconciler:
         self._metrics.failure_budget.labels(spec.namespace, spec.name).set(
             max(0, spec.max_failures - plan.failures)
         )
+        # The save (if any) is over: the hints go before the pods do.
+        await self._hint(t, list(t.current.values()), plan.phase)
         if plan.exhausted:
             await self._event(t.job, "Warning", "Failed", plan.message)
         else:
@@ -341,6 +360,7 @@ class Reconciler:
             .condition("Checkpointing", True, "EvictionNotice", message)
             .set({"avoidNodes": avoid, "notice": notice_status, "message": message}),
         )
+        await self._hint(t, list(t.current.values()), Phase.CHECKPOINTING)
         await self._event(t.job, "Warning", "EvictionNotice", message)
 
     async def _checkpointing(self, t: Tick) -> None:

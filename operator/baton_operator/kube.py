@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
@@ -216,6 +216,25 @@ class Kube:
             if e.status == 404:
                 return
             raise _translate(e, f"deleting pod {namespace}/{name}") from e
+
+    @_needs("", "pods", "patch")
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        """Merge ``annotations`` into a pod's (None removes a key); a pod gone is fine."""
+        body = {"metadata": {"annotations": dict(annotations)}}
+        try:
+            await asyncio.to_thread(
+                self._core.patch_namespaced_pod,
+                name,
+                namespace,
+                body,
+                _content_type="application/merge-patch+json",
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise _translate(e, f"patching pod {namespace}/{name}'s annotations") from e
 
     @_needs("", "services", "create")
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:

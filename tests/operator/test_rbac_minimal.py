@@ -14,7 +14,9 @@ from baton_operator.kube import Kube
 # What the operator may do where it runs jobs (a ClusterRole, or a Role per namespace).
 WORKLOAD = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "list", "watch"]},
+    # patch: the disruption hints (annotations) while a save is in flight (disruption.py).
+    {"apiGroups": [""], "resources": ["pods"],
+     "verbs": ["create", "delete", "list", "patch", "watch"]},
     # create only: the operator never reads a job's Secret back (tokens.py).
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},

@@ -53,6 +53,8 @@ class FakeKube:
         self.created: list[str] = []
         self.deleted: list[tuple[str, int | None]] = []
         self.create_errors: list[KubeError] = []
+        self.patch_errors: list[KubeError] = []
+        self.annotation_patches: list[tuple[str, dict[str, str | None]]] = []
         self.writes: list[dict[str, Any]] = []
         self.conflicts = 0
         self.before_write: Callable[[FakeKube], None] | None = None
@@ -114,6 +116,17 @@ class FakeKube:
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
         self.deleted.append((name, grace_seconds))
         self.pods.pop(name, None)
+
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: dict[str, str | None]
+    ) -> None:
+        if self.patch_errors:
+            raise self.patch_errors.pop(0)
+        pod = self.pods.get(name)
+        if pod is None:
+            return  # gone: as the client layer answers a 404
+        self.annotation_patches.append((name, dict(annotations)))
+        _merge(pod["metadata"].setdefault("annotations", {}), annotations)
 
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
         return True
@@ -611,3 +624,121 @@ def test_ranks_that_disagree_or_have_saved_since_claim_no_loaded_step() -> None:
         )
         is None
     )
+
+
+# ----------------------------------------------------------------- disruption hints
+
+HINTS = {
+    "karpenter.sh/do-not-disrupt": "true",
+    "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+}
+
+
+def _annotations(h: Harness, attempt: int) -> list[dict[str, str]]:
+    return [
+        dict(h.kube.pods[h.pod(attempt, r)]["metadata"].get("annotations") or {})
+        for r in range(REPLICAS)
+    ]
+
+
+def test_pods_carry_the_disruption_hints_exactly_while_the_notice_save_is_in_flight() -> None:
+    h = Harness()
+    h.running()
+    assert h.kube.annotation_patches == [], "no hint while nothing is being saved"
+    h.spot_notice("n1")
+    h.tick()  # Checkpointing: the hints go on in the same tick, before any request is sent
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert h.sidecars.requests == []
+    assert _annotations(h, 0) == [HINTS] * REPLICAS
+    h.report_all(state="saving", trigger="notice")
+    patches = len(h.kube.annotation_patches)
+    h.tick()
+    h.tick()
+    assert len(h.kube.annotation_patches) == patches, "a steady state makes no API call"
+    # Pods are deleted gracefully: the fake keeps them, as the API server does, so the hints
+    # must be off them before they go.
+    h.kube.delete_pod = _keep_deleting(h.kube)  # type: ignore[method-assign]
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    assert _annotations(h, 0) == [{}] * REPLICAS
+
+
+def _keep_deleting(kube: FakeKube) -> Callable[..., Any]:
+    async def delete(namespace: str, name: str, *, grace_seconds: int | None) -> None:
+        kube.deleted.append((name, grace_seconds))
+        if name in kube.pods:
+            kube.pods[name]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+
+    return delete
+
+
+def test_the_hints_go_when_the_save_times_out_and_falls_back() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n0")
+    h.tick()
+    assert _annotations(h, 0) == [HINTS] * REPLICAS
+    h.kube.delete_pod = _keep_deleting(h.kube)  # type: ignore[method-assign]
+    h.report_all(state="failed", trigger="notice", error="deadline passed")
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    assert _annotations(h, 0) == [{}] * REPLICAS
+
+
+def test_a_restarted_operator_derives_the_hints_from_the_status_alone() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    # Another operator (no memory of this one) finds the job Checkpointing and pods without
+    # hints (the first died between its status write and its patches): it puts them on.
+    for r in range(REPLICAS):
+        h.kube.pods[h.pod(0, r)]["metadata"].pop("annotations", None)
+    h.memory = JobMemory()
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert _annotations(h, 0) == [HINTS] * REPLICAS
+    # The first operator died after the restart decision but before taking the hints off and
+    # deleting the pods: the next one takes them off the old attempt's pods.
+    h.kube.status.update(phase="Restarting", attempt=1, restartAfter=None)
+    h.kube.status.pop("notice", None)
+    h.kube.delete_pod = _keep_deleting(h.kube)  # type: ignore[method-assign]
+    h.memory = JobMemory()
+    h.tick()
+    assert _annotations(h, 0) == [{}] * REPLICAS
+
+
+def test_hints_the_template_sets_itself_are_the_users_and_left_alone() -> None:
+    h = Harness()
+    h.kube.job["spec"]["template"]["metadata"] = {
+        "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+    }
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    assert _annotations(h, 0) == [HINTS] * REPLICAS
+    assert {k for _, p in h.kube.annotation_patches for k in p} == {"karpenter.sh/do-not-disrupt"}
+    h.kube.delete_pod = _keep_deleting(h.kube)  # type: ignore[method-assign]
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    assert (
+        _annotations(h, 0)
+        == [{"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}] * REPLICAS
+    )
+
+
+def test_a_refused_hint_never_holds_up_the_save_and_is_tried_again() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.kube.patch_errors = [
+        KubeError.from_answer("patching pod: HTTP 403: forbidden (test)", status=403)
+    ] * REPLICAS
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert _annotations(h, 0) == [{}] * REPLICAS
+    h.report_all(state="requested")
+    h.tick()  # the requests go out all the same, and the hints are tried again
+    assert len(h.sidecars.requests) == REPLICAS
+    assert _annotations(h, 0) == [HINTS] * REPLICAS
