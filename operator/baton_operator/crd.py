@@ -172,7 +172,14 @@ def _spec_schema() -> dict[str, Any]:
                 maxLength=_MAX_URI,
             ),
             "everySteps": _int("Periodic checkpoint interval in optimizer steps (> 0)."),
-            "everySeconds": _int("Periodic checkpoint interval in seconds (> 0), if set."),
+            "everySeconds": {
+                "x-kubernetes-int-or-string": True,
+                "description": (
+                    "Periodic checkpoint interval in seconds (> 0), if set; or `auto`: the "
+                    "operator chooses it for each attempt from the measured save time and "
+                    "the job's interruption rate (docs/operator.md, Adaptive interval)."
+                ),
+            },
             "keepLast": _int("How many committed checkpoints to keep.", minimum=1),
         },
         "x-kubernetes-validations": [
@@ -194,8 +201,11 @@ def _spec_schema() -> dict[str, Any]:
                 "reason": "FieldValueInvalid",
             },
             {
-                "rule": "!has(self.everySeconds) || self.everySeconds > 0",
-                "message": "spec.checkpoint.everySeconds must be greater than 0",
+                "rule": (
+                    "!has(self.everySeconds) || (type(self.everySeconds) == string ? "
+                    "self.everySeconds == 'auto' : self.everySeconds > 0)"
+                ),
+                "message": "spec.checkpoint.everySeconds must be greater than 0, or 'auto'",
                 "fieldPath": ".everySeconds",
                 "reason": "FieldValueInvalid",
             },
@@ -348,6 +358,32 @@ def _status_schema() -> dict[str, Any]:
             "seconds": {"type": "number", "description": "Save time reported by the SDK."},
         },
     }
+    checkpoint_interval = {
+        "type": "object",
+        "description": (
+            "With everySeconds: auto, the interval chosen for the current attempt and its "
+            "inputs (Young: sqrt(2 x saveSeconds x mtbiSeconds), within bounds)."
+        ),
+        "properties": {
+            "seconds": _int("The interval given to the ranks (BATON_EVERY_SECONDS)."),
+            "attempt": _int("The attempt it was chosen for."),
+            "saveSeconds": {"type": "number", "description": "The save cost used."},
+            "saveMeasured": {
+                "type": "boolean",
+                "description": "Whether saveSeconds was measured (false: the default).",
+            },
+            "mtbiSeconds": {
+                "type": "number",
+                "description": "Mean time between interruptions used.",
+            },
+            "interruptions": _int("Preemptions plus failures when it was chosen."),
+            "observedSeconds": {
+                "type": "number",
+                "description": "The job's life when it was chosen (creation to attempt start).",
+            },
+            "bounded": _str("min or max when a bound overrode the formula."),
+        },
+    }
     return {
         "type": "object",
         "description": "What the operator observed and did.",
@@ -376,6 +412,7 @@ def _status_schema() -> dict[str, Any]:
             },
             "notice": notice,
             "lastCheckpoint": last_checkpoint,
+            "checkpointInterval": checkpoint_interval,
             "conditions": {
                 "type": "array",
                 "items": condition,

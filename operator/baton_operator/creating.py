@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
-from . import manifests, podpolicy
+from . import interval, manifests, podpolicy
 from .errors import KubeError
 from .jobstatus import JobStatus, iso
 from .kube import Kube
@@ -82,6 +82,19 @@ class Creator:
             f"starting {spec.replicas} replicas x {spec.procs_per_replica} processes",
         )  # fmt: skip
 
+    async def _interval(self, t: Tick, status: JobStatus) -> int:
+        """The attempt's checkpoint interval (``everySeconds: auto``): the one recorded for
+        it, else chosen now and recorded before the attempt's first pod is created, so every
+        rank (and a restarted operator) gets the same value."""
+        chosen = interval.recorded(t.job, status.attempt)
+        if chosen is not None:
+            return chosen
+        choice = interval.for_job(t.job, at=t.now)
+        await self._writer.patch(
+            t, t.patch().set({"checkpointInterval": choice.to_status(status.attempt)})
+        )
+        return choice.seconds
+
     async def ensure_pods(self, t: Tick, status: JobStatus, *, replicas: int) -> None:
         """Create the attempt's missing pods: rank 0 first, the others once it has an IP.
 
@@ -90,12 +103,13 @@ class Creator:
         spec = t.spec
         if status.master_addr or not t.memory.may_create(t.now):
             return
+        every = await self._interval(t, status) if spec.auto_interval else None
 
         def body(rank: int, master: str | None) -> dict[str, Any]:
             return manifests.pod_manifest(
                 spec, self._config, attempt=status.attempt, rank=rank, replicas=replicas,
                 master_addr=master, resume_step=status.resumed_from_step,
-                avoid_nodes=list(status.avoid_nodes),
+                avoid_nodes=list(status.avoid_nodes), every_seconds=every,
             )  # fmt: skip
 
         rank0 = t.current.get(0)

@@ -178,6 +178,7 @@ def _trainer_env(
     replicas: int,
     master_addr: str | None,
     resume_step: int | None,
+    every_seconds: int | None,
 ) -> list[dict[str, Any]]:
     procs = spec.procs_per_replica
     # Rank 0 is its own master: its IP comes from the downward API, no DNS involved.
@@ -217,8 +218,8 @@ def _trainer_env(
         env.append(_env("BATON_RESUME_STEP", resume_step))
     if spec.every_steps is not None:
         env.append(_env("BATON_EVERY_STEPS", spec.every_steps))
-    if spec.every_seconds is not None:
-        env.append(_env("BATON_EVERY_SECONDS", spec.every_seconds))
+    if every_seconds is not None:
+        env.append(_env("BATON_EVERY_SECONDS", every_seconds))
     if spec.keep_last is not None:
         env.append(_env("BATON_KEEP_LAST", spec.keep_last))
     return env
@@ -314,13 +315,21 @@ def pod_manifest(
     master_addr: str | None,
     resume_step: int | None,
     avoid_nodes: Iterable[str] = (),
+    every_seconds: int | None = None,
 ) -> dict[str, Any]:
     """The pod of ``rank`` in ``attempt``: the user's template plus Baton's contract.
 
     ``master_addr`` is rank 0's pod IP (None only for rank 0, which reads its own).
+    ``every_seconds`` is the interval chosen for the attempt when the spec says
+    ``everySeconds: auto`` (interval.py); otherwise the spec's own value is used.
     """
     if rank != 0 and master_addr is None:
         raise ValueError(f"rank {rank} needs rank 0's pod IP as master_addr: create rank 0 first")
+    if spec.auto_interval and every_seconds is None:
+        raise ValueError(
+            "spec.checkpoint.everySeconds is auto: pass the interval chosen for the attempt "
+            "(interval.for_job) as every_seconds"
+        )
     template: Mapping[str, Any] = spec.template
     tmeta = template.get("metadata") or {}
     pod_spec: dict[str, Any] = copy.deepcopy(dict(template.get("spec") or {}))
@@ -336,6 +345,7 @@ def pod_manifest(
         replicas=replicas,
         master_addr=master_addr,
         resume_step=resume_step,
+        every_seconds=spec.every_seconds if every_seconds is None else every_seconds,
     )
     user_env = [e for e in trainer.get("env") or [] if e.get("name") not in _CONTRACT_ENV]
     if not any(e.get("name") == "PET_SHUTDOWN_TIMEOUT" for e in user_env):

@@ -30,6 +30,8 @@ class JobSpec:
     checkpoint_uri: str
     every_steps: int | None
     every_seconds: int | None
+    auto_interval: bool
+    """``everySeconds: auto``: the operator chooses ``every_seconds`` per attempt (interval.py)."""
     keep_last: int | None
     max_failures: int
     max_preemptions: int
@@ -61,7 +63,10 @@ class JobSpec:
             template=spec.get("template") or {},
             checkpoint_uri=str(ckpt["uri"]),
             every_steps=None if ckpt.get("everySteps") is None else int(ckpt["everySteps"]),
-            every_seconds=None if ckpt.get("everySeconds") is None else int(ckpt["everySeconds"]),
+            every_seconds=(
+                None if ckpt.get("everySeconds") in (None, "auto") else int(ckpt["everySeconds"])
+            ),
+            auto_interval=ckpt.get("everySeconds") == "auto",
             keep_last=None if ckpt.get("keepLast") is None else int(ckpt["keepLast"]),
             max_failures=int(policy.get("maxFailures", 3)),
             max_preemptions=int(policy.get("maxPreemptions", 100)),

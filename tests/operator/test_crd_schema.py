@@ -104,6 +104,11 @@ def test_a_valid_job_passes_every_rule() -> None:
         (lambda j: j["spec"]["checkpoint"].update(uri="gs://bucket/x"), "spec.checkpoint.uri"),
         (lambda j: j["spec"]["checkpoint"].update(uri="relative/dir"), "spec.checkpoint.uri"),
         (lambda j: j["spec"]["checkpoint"].update(everySteps=0), "spec.checkpoint.everySteps"),
+        (lambda j: j["spec"]["checkpoint"].update(everySeconds=0), "spec.checkpoint.everySeconds"),
+        (
+            lambda j: j["spec"]["checkpoint"].update(everySeconds="fast"),
+            "spec.checkpoint.everySeconds",
+        ),
         (
             lambda j: j["spec"]["template"]["spec"].update(containers=[{"name": "main"}]),
             "spec.template.spec.containers",
@@ -137,6 +142,15 @@ def test_procs_per_replica_within_the_gpus_is_accepted(
     job = valid_job()
     _gpus(job, procs=procs, gpus=gpus, name=name)
     assert _violations(job) == []
+
+
+@pytest.mark.parametrize("every_seconds", [1, 600, "auto"])
+def test_every_seconds_takes_a_positive_number_or_auto(every_seconds: int | str) -> None:
+    job = valid_job()
+    job["spec"]["checkpoint"]["everySeconds"] = every_seconds
+    assert _violations(job) == []
+    node = _schema()["properties"]["spec"]["properties"]["checkpoint"]["properties"]
+    assert node["everySeconds"]["x-kubernetes-int-or-string"] is True
 
 
 def test_procs_per_replica_messages_name_the_field_and_the_fix() -> None:
@@ -182,7 +196,10 @@ def test_fields_are_immutable_once_started_but_not_before(field: str, mutate: An
 def test_schema_is_structural_and_explained() -> None:
     for path, node in _walk(_schema()):
         preserve = node.get("x-kubernetes-preserve-unknown-fields")
-        assert "type" in node, f"{path or '<root>'} has no type (not structural)"
+        # An int-or-string field is the one structural node without a type (Kubernetes
+        # checks it as "integer or string" itself).
+        int_or_string = node.get("x-kubernetes-int-or-string") is True
+        assert "type" in node or int_or_string, f"{path or '<root>'} has no type (not structural)"
         if path.startswith((".spec", ".status")) and path.count(".") >= 1:
             assert node.get("description") or path.endswith("[]"), f"{path} has no description"
         if preserve:
@@ -226,6 +243,7 @@ def test_status_declares_every_field_the_operator_writes() -> None:
         "attemptStartedAt",
         "message",
         "stepsLost",
+        "checkpointInterval",
     ):
         assert name in status, f"status.{name} would be pruned by the API server"
     assert set(status["lastCheckpoint"]["properties"]) == {

@@ -742,3 +742,43 @@ def test_a_refused_hint_never_holds_up_the_save_and_is_tried_again() -> None:
     h.tick()  # the requests go out all the same, and the hints are tried again
     assert len(h.sidecars.requests) == REPLICAS
     assert _annotations(h, 0) == [HINTS] * REPLICAS
+
+
+# ----------------------------------------------------------------- adaptive interval
+
+
+def _env_of(h: Harness, attempt: int, rank: int) -> dict[str, str]:
+    pod = h.kube.pods[h.pod(attempt, rank)]
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_preemption() -> None:
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"]["everySeconds"] = "auto"
+    h.kube.job["metadata"]["creationTimestamp"] = datetime.now(tz=UTC).isoformat()
+    h.running()
+    first = copy.deepcopy(h.kube.status["checkpointInterval"])
+    # Recorded in the write before rank 0 was created, so a restarted operator reads it back.
+    write = next(i for i, w in enumerate(h.kube.writes) if "checkpointInterval" in w)
+    assert write < len(h.kube.writes) - 1
+    assert first["attempt"] == 0
+    assert (first["saveMeasured"], first["interruptions"]) == (False, 0)
+    seconds = {_env_of(h, 0, r)["BATON_EVERY_SECONDS"] for r in range(REPLICAS)}
+    assert seconds == {str(first["seconds"])}, "every rank of the attempt gets the same value"
+
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    h.tick()  # Restarting -> Pending: attempt 1's rank 0, with an interval chosen afresh
+    second = h.kube.status["checkpointInterval"]
+    assert second["attempt"] == 1
+    assert (second["saveSeconds"], second["saveMeasured"]) == (1.5, True)
+    assert second["interruptions"] == 1
+    assert second["seconds"] < first["seconds"], (first, second)
+    assert _env_of(h, 1, 0)["BATON_EVERY_SECONDS"] == str(second["seconds"])
+    h.memory = JobMemory()  # a restarted operator: the recorded choice, not a new one
+    h.kube.run(h.pod(1, 0), node="n0", ip="10.0.0.1")
+    h.tick()
+    assert h.kube.status["checkpointInterval"] == second
+    assert _env_of(h, 1, 1)["BATON_EVERY_SECONDS"] == str(second["seconds"])
