@@ -27,7 +27,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from . import disruption, lifecycle, manifests, podpolicy, reports
+from . import disruption, interval, lifecycle, manifests, podpolicy, reports
 from .creating import Creator
 from .errors import KubeConflictError, KubeError, SidecarUnreachableError
 from .jobstatus import JobStatus, iso
@@ -157,6 +157,9 @@ class Reconciler:
             failures_left=max(0, spec.max_failures - status.failures),
             last_checkpoint=_last_commit_time(job, status),
         )
+        chosen = interval.recorded(job, status.attempt) if spec.auto_interval else None
+        if chosen is not None:
+            self._metrics.checkpoint_interval.labels(namespace, name).set(chosen)
         if memory.token is None:
             memory.token = self._token_for(spec)
         memory.for_attempt(status.attempt)

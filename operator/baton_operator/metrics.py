@@ -73,6 +73,11 @@ class Metrics:
             "Unix time of the last committed checkpoint the operator saw (until the first: "
             "the job's creation time).", _JOB, registry=r,
         )  # fmt: skip
+        self.checkpoint_interval = Gauge(
+            "baton_checkpoint_interval_seconds",
+            "With checkpoint.everySeconds: auto, the interval chosen for the current attempt.",
+            _JOB, registry=r,
+        )  # fmt: skip
         self.api_errors = Counter(
             "baton_operator_api_errors",
             "Kubernetes API calls that failed, by verb and HTTP code (0: no answer, a timeout).",
@@ -142,7 +147,7 @@ class Metrics:
         """Drop the gauges of a Succeeded or Failed job; its counters stay until deletion."""
         key = (namespace, name)
         self._live.discard(key)
-        for gauge in (self.failure_budget, self.last_checkpoint):
+        for gauge in (self.failure_budget, self.last_checkpoint, self.checkpoint_interval):
             _remove(gauge, key)
 
     def job_deleted(self, namespace: str, name: str) -> None:

@@ -48,8 +48,10 @@ def test_a_finished_job_loses_its_gauges_and_a_deleted_one_everything() -> None:
     m.count_restart("ns", "a", "preemption")
     m.count_restart("ns", "a", "failure")
     m.notice_to_commit.labels("ns", "a").observe(3.0)
+    m.checkpoint_interval.labels("ns", "a").set(600)
     m.job_finished("ns", "a")
     left = _job_series(m, "a")
+    assert "baton_checkpoint_interval_seconds" not in left
     assert "baton_last_checkpoint_timestamp_seconds" not in left
     assert "baton_failure_budget_remaining" not in left
     assert "baton_preemptions_total" in left  # counters stay while the job object exists

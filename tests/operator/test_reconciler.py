@@ -782,3 +782,7 @@ def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_pre
     h.tick()
     assert h.kube.status["checkpointInterval"] == second
     assert _env_of(h, 1, 1)["BATON_EVERY_SECONDS"] == str(second["seconds"])
+    gauge = h.registry.get_sample_value(
+        "baton_checkpoint_interval_seconds", {"namespace": NS, "job": JOB}
+    )
+    assert gauge == second["seconds"]
