@@ -490,7 +490,7 @@ def run_scale(bench: Bench, sizes: list[int], idle: float, rounds: int) -> list[
             tainted.append(node)
             hit = sorted({job for job, _ in by_node[node]})
             files = [outs[j] / f"request-a{attempts[j]}-r{rk}.json" for j in hit for rk in (0, 1)]
-            c0 = _cpu_seconds(bench.pid)
+            c0, restarts_before = _cpu_seconds(bench.pid), len(bench.restarts)
             when = bench.taint(node, on=True)
             _wait(
                 f"{len(files)} requests",
@@ -498,7 +498,9 @@ def run_scale(bench: Bench, sizes: list[int], idle: float, rounds: int) -> list[
                 120,
                 0.1,
             )
-            taint_cpu += _cpu_seconds(bench.pid) - c0
+            # A restarted operator is a new process: its CPU is not comparable, so unknown.
+            restarted = len(bench.restarts) != restarts_before
+            taint_cpu += float("nan") if restarted else _cpu_seconds(bench.pid) - c0
             for f in files:
                 created = _ts(json.loads(f.read_text())["request"]["created"])
                 assert created is not None
