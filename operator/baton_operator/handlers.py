@@ -167,6 +167,9 @@ async def _job_daemon(
     kube: kube_mod.Kube = memo["kube"]
     try:
         while not stopped:
+            # Cleared before the tick, not after: an event that arrives while the tick runs
+            # (a notice, a pod going away) makes the next tick start at once.
+            wake.clear()
             try:
                 delay = await reconciler.tick(namespace, name, memory)
             except KubeError as e:
@@ -187,7 +190,6 @@ async def _job_daemon(
                 await api.succeeded(kube, memo["post"], namespace, name)
             if delay is None:
                 return
-            wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=delay)
     finally:
