@@ -181,7 +181,9 @@ class Reconciler:
                             graces=self._config.graces)  # fmt: skip
         if notice is not None:
             await self._begin_checkpoint(t, phase, notice)
-            return min(tick, 0.25)
+            # The requests go out in the next tick, which reads the status just written: at
+            # once, not a quarter second later (a notice's seconds are the scarce ones).
+            return 0.0
         await self._progress(t)
         outcome, detail = lifecycle.classify(t.views, replicas)
         if outcome is Outcome.FAILED and any(
