@@ -10,9 +10,14 @@ path's recovery is the one ``test_ha_cluster.py`` tests after ``kill -9``.
 What is asserted: the operator process lives through the outage, counts the refused calls in
 ``baton_operator_api_errors_total{code="0"}`` and fails ``/healthz`` while it lasts; afterwards
 ``/healthz`` recovers, the job's ``Degraded`` condition and an ``APIRecovered`` Event give the
-outage's cause and length, and the preemption ends exactly as without the outage: one attempt
-increment, the reported resume step equal to the step the trainers load, no duplicate or
-overlapping pods, no lost or recomputed step. On the way, the sidecar token file of a real pod
+outage's cause and length, and the preemption ends as without the outage: one attempt
+increment, every rank loads the notice save (read from the trainers' own ``RESUMED_FROM``
+lines) and the final status reports that step, no duplicate or overlapping pods, no lost or
+recomputed step. What differs is the report at the restart: the sidecars that saw the commit
+have exited by the time the API server is back (their linger is 15 s), so the operator posts
+``CheckpointFallback`` with the last step it knew and corrects ``resumedFromStep`` once the new
+ranks report what they loaded (``ResumeStepCorrected``); unless it learnt the commit before
+the port closed. On the way, the sidecar token file of a real pod
 is checked as the node agent wrote it: mode 0440, group the pod's ``fsGroup``.
 
 Cost: about 60 s of outage plus one short 2-rank job (see the report in the test's output).
@@ -21,6 +26,7 @@ Cost: about 60 s of outage plus one short 2-rank job (see the report in the test
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -30,6 +36,7 @@ from typing import Any
 import pytest
 from baton_operator import manifests
 from baton_testing.operator_harness import (
+    NAMESPACE,
     Baton,
     OperatorInstall,
     PodWatcher,
@@ -63,6 +70,39 @@ def _token_file(baton: Baton, job: str) -> tuple[Path, dict[str, Any]]:
     meta = pod["metadata"]
     pod_dir = baton.cluster.directory / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
     return pod_dir / "volumes" / manifests.TOKEN_VOLUME / manifests.TOKEN_KEY, pod
+
+
+def _loaded_steps(baton: Baton, job: str, *, attempt: int, replicas: int) -> list[int]:
+    """The step each rank of ``attempt`` restored, from its trainer's ``RESUMED_FROM`` line."""
+    names: list[str] = []
+
+    def all_created() -> bool:
+        names[:] = sorted(
+            p["metadata"]["name"]
+            for p in baton.pods(job)
+            if p["metadata"]["labels"]["baton.dev/attempt"] == str(attempt)
+        )
+        return len(names) == replicas
+
+    poll(all_created, timeout=240, what=f"the {replicas} pods of attempt {attempt}",
+         diag=lambda: baton.diagnostics(job))  # fmt: skip
+    steps: dict[str, int] = {}
+
+    def all_resumed() -> bool:
+        for name in names:
+            if name in steps:
+                continue
+            out = baton.cluster.kubectl(
+                "logs", "-n", NAMESPACE, name, "-c", manifests.TRAINER_NAME, check=False
+            ).stdout
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESUMED_FROM ")]
+            if lines:
+                steps[name] = int(lines[0].split()[1])
+        return len(steps) == len(names)
+
+    poll(all_resumed, timeout=240, what="every rank's RESUMED_FROM line",
+         diag=lambda: f"\nfound: {steps}" + baton.diagnostics(job))  # fmt: skip
+    return [steps[n] for n in names]
 
 
 def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
@@ -119,7 +159,11 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
     status = baton.wait_for(job, recovered, timeout=240, what="Degraded=False/APIRecovered")
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False", degraded
-    assert "APITimeout" in degraded["message"] or "APIUnavailable" in degraded["message"], degraded
+    # The reason named is the last error seen: refused calls while it is down, and often a
+    # 403 for a moment after the restart, before the API server's RBAC caches are filled.
+    lasted = re.search(r"work again after (\d+)s of API\w+", degraded["message"])
+    assert lasted, degraded
+    assert int(lasted.group(1)) >= OUTAGE_S - 10, degraded
     assert any(e.startswith("APIRecovered:") for e in baton.events(job)), baton.diagnostics(job)
 
     def restarted(s: dict[str, Any]) -> bool:
@@ -130,13 +174,22 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
     last = at_restart.get("lastCheckpoint") or {}
     assert last.get("step") is not None, f"no committed step known at the restart{diag}"
     assert at_restart.get("resumedFromStep") == last.get("step"), diag
-    # The step the operator reports is the step the trainers are told to load.
     assert baton.resume_env(job, 1) == {str(last.get("step"))}, diag
     assert at_restart.get("preemptions") == 1, diag
     assert at_restart.get("failures") == 0, diag
+    loaded = _loaded_steps(baton, job, attempt=1, replicas=2)
     final = baton.wait_phase(job, "Succeeded", timeout=360)
     watcher.stop()
     diag = baton.diagnostics(job)
+    # The trainers load the notice save (committed while the API server was down; the
+    # notice came after step 8, the last periodic save before it is step 5), every rank the
+    # same, and the status ends up saying so: at the restart the operator may only know the
+    # older step (the sidecars that saw the commit were gone when the API server came back),
+    # and corrects it from what the new ranks report (ResumeStepCorrected).
+    assert len(set(loaded)) == 1, f"the ranks loaded different steps {loaded}{diag}"
+    assert loaded[0] >= 8, f"the ranks loaded step {loaded[0]}, not the notice save{diag}"
+    assert final.get("resumedFromStep") == loaded[0], diag
+    print("events:\n" + "\n".join(baton.events(job)))
     assert final["attempt"] == 1, f"one preemption, one attempt increment{diag}"
     # Sampling pods fails while the API server is down; what was sampled must be clean.
     assert watcher.violations(replicas=2, tolerate_errors=True) == [], diag
