@@ -4,20 +4,98 @@ Each test runs a 2-replica TrainingJob of the deterministic trainer with ``maxFa
 a preemption counted as a failure would fail the job at once. It gives one node a notice and
 checks that the ranks committed one step, that the next attempt runs on other nodes with
 ``BATON_RESUME_STEP`` equal to that step, that no step was lost or recomputed, and that the
-job Succeeds.
+job Succeeds. The node-notice test also watches the disruption hints come and go.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import kubernetes.client
+import kubernetes.watch
 import pytest
 from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, unique
 
 pytestmark = pytest.mark.cluster
 
 STEPS = 40
+HINTS = {
+    "karpenter.sh/do-not-disrupt": "true",
+    "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+}
+
+
+class HintRecorder:
+    """Every change of a job's pods, as (event, pod, attempt, node, its disruption hints).
+
+    A watch, not sampling: a notice save of the test model lasts about a second, and every
+    version of a pod object reaches a watch. Errors are kept and asserted, never dropped.
+    """
+
+    def __init__(self, baton: Baton, job: str) -> None:
+        self._core = kubernetes.client.CoreV1Api(baton.cluster.api)
+        self._selector = f"baton.dev/job={job}"
+        listed = self._core.list_namespaced_pod(NAMESPACE, label_selector=self._selector)
+        self._version: str = listed.metadata.resource_version
+        self.seen: list[tuple[str, str, str, str, dict[str, str]]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            watch = kubernetes.watch.Watch()
+            try:
+                for event in watch.stream(
+                    self._core.list_namespaced_pod, NAMESPACE, label_selector=self._selector,
+                    resource_version=self._version, timeout_seconds=5,
+                ):  # fmt: skip
+                    meta = event["object"].metadata
+                    node = event["object"].spec.node_name or ""
+                    self._version = meta.resource_version
+                    annotations = meta.annotations or {}
+                    hints = {k: annotations[k] for k in HINTS if k in annotations}
+                    attempt = (meta.labels or {}).get("baton.dev/attempt", "")
+                    self.seen.append((event["type"], meta.name, attempt, node, hints))
+                    if self._stop.is_set():
+                        watch.stop()
+            except Exception as e:  # kept and asserted by stop()
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the pod watch did not stop within 60 s"
+        assert not self.errors, f"watching the pods failed: {self.errors[-3:]}"
+
+    def problems(self, noticed_node: str) -> list[str]:
+        """Attempt 0's rank off the noticed node carried both hints during the notice save
+        (the noticed node's own pod may be drained, i.e. deleting, and a pod being deleted
+        gets none); every attempt-0 pod was without them when last seen; no pod of a later
+        attempt (no notice) ever had one."""
+        found = []
+        first = {pod for _, pod, attempt, _, _ in self.seen if attempt == "0"}
+        elsewhere = {
+            pod for _, pod, attempt, node, _ in self.seen
+            if attempt == "0" and node and node != noticed_node
+        }  # fmt: skip
+        hinted = {pod for _, pod, attempt, _, h in self.seen if attempt == "0" and h == HINTS}
+        if len(first) != 2 or not elsewhere or not elsewhere <= hinted:
+            found.append(
+                f"hints seen on {sorted(hinted)} of attempt 0's {sorted(first)} "
+                f"({sorted(elsewhere)} off the noticed node {noticed_node})"
+            )
+        for pod in sorted(first):
+            last = [h for _, name, _, _, h in self.seen if name == pod][-1]
+            if last:
+                found.append(f"{pod} still carried {last} when last seen")
+        later = [(pod, h) for _, pod, attempt, _, h in self.seen if attempt != "0" and h]
+        if later:
+            found.append(f"pods of later attempts carried hints: {later}")
+        return found
 
 
 def _restarted(status: dict[str, Any]) -> bool:
@@ -69,12 +147,16 @@ def test_node_notice_checkpoints_and_moves_the_job(
     baton.cluster.add_node()  # replaces the node this test takes away
     job = unique(f"tj-{provider}")
     baton.submit(job, steps=STEPS, every_steps=5, sleep=0.3)
+    hints = HintRecorder(baton, job)
     watcher = PodWatcher(baton, job)
     baton.wait_phase(job, "Running", timeout=120)
     baton.wait_steps(job, 8)
     node = baton.node_of(job, rank)
     baton.cluster.preempt(node, provider=provider, grace_s=30)  # type: ignore[arg-type]
     _check_moved_and_exact(baton, job, node, watcher, said)
+    hints.stop()
+    problems = hints.problems(node)
+    assert not problems, f"{problems}\n{hints.seen}{baton.diagnostics(job)}"
     baton.delete(job)
 
 
