@@ -7,9 +7,10 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -17,6 +18,9 @@ from . import crd, rbac
 from .notices import Graces
 from .podpolicy import DEFAULT_SERVICE_ACCOUNTS, PodPolicy
 from .settings import LEASE_NAME, OperatorConfig
+
+if TYPE_CHECKING:
+    from .leader import LeaderElector
 
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -205,20 +209,47 @@ async def _operate(config: OperatorConfig) -> None:
         return
     stopping.cancel()
     registry.leader.set(1)
-    keeper = asyncio.create_task(elector.keep())
-    operator = asyncio.create_task(
-        kopf.operator(memo=memo, stop_flag=stop, **kopf_operator_args(config))
-    )
-    await asyncio.wait({keeper, operator}, return_when=asyncio.FIRST_COMPLETED)
-    if keeper.done():
-        # Lost the Lease: a standby may act in (duration - renew deadline) seconds. Stop now,
-        # not after kopf's graceful shutdown, and let the kubelet start us again as a standby.
-        logging.getLogger(__name__).critical("%s", keeper.exception())
+    stop_keeping, keeper = _keep_lease(elector)
+    try:
+        await kopf.operator(memo=memo, stop_flag=stop, **kopf_operator_args(config))
+    finally:
+        # Renewals end before the release, or one could take the released Lease back.
+        stop_keeping.set()
+        await asyncio.to_thread(keeper.join, config.lease_renew_deadline_seconds + 2)
+        await elector.release()
+
+
+def _keep_lease(elector: LeaderElector) -> tuple[threading.Event, threading.Thread]:
+    """Renew the Lease on a thread and event loop of its own.
+
+    On the operator's loop a renewal would wait behind every job's reconciler; on a busy
+    machine (100 jobs measured by bench/operator_scale.py) it then missed its deadline and
+    the operator stopped itself for nothing. When the Lease is really lost, this thread ends
+    the process at once, whatever the main loop is doing: a standby may act in (duration -
+    renew deadline) seconds, and kopf's graceful shutdown could take longer. The kubelet
+    starts the operator again, as a standby.
+    """
+    import asyncio
+
+    from . import leader
+
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            asyncio.run(elector.keep(stop))
+        except leader.LeadershipLostError as e:
+            logging.getLogger(__name__).critical("%s", e)
+        except BaseException:
+            logging.getLogger(__name__).exception("the Lease keeper failed; stopping")
+        else:
+            return
         logging.shutdown()
         os._exit(3)
-    keeper.cancel()
-    await elector.release()
-    operator.result()  # kopf's own failure, if any, is the operator's exit status
+
+    thread = threading.Thread(target=run, name="lease-keeper", daemon=True)
+    thread.start()
+    return stop, thread
 
 
 def kopf_operator_args(config: OperatorConfig) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -224,11 +225,18 @@ class LeaderElector:
                 said = True
             await asyncio.sleep(self._t.retry)
 
-    async def keep(self) -> None:
-        """Renew until leadership is lost, then raise :class:`LeadershipLostError`."""
+    async def keep(self, stop: threading.Event | None = None) -> None:
+        """Renew until leadership is lost, then raise :class:`LeadershipLostError`; return
+        once ``stop`` is set (a clean stop, before :meth:`release`).
+
+        ``__main__`` runs this in a thread and event loop of its own, so that a busy operator
+        (hundreds of jobs' reconcilers on the main loop) cannot delay its renewals.
+        """
         last_ok = self._clock()
-        while True:
+        while stop is None or not stop.is_set():
             await asyncio.sleep(self._t.renew)
+            if stop is not None and stop.is_set():
+                return
             left = self._t.renew_deadline - (self._clock() - last_ok)
             try:
                 ok = await asyncio.wait_for(self.try_acquire_or_renew(), timeout=max(left, 0.01))

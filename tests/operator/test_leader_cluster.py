@@ -118,3 +118,33 @@ def test_an_active_elector_whose_lease_was_taken_stops(
         assert not a.leading
 
     asyncio.run(run())
+
+
+def test_the_lease_is_kept_while_the_operators_loop_is_busy(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    # __main__ renews on a thread and loop of its own: an operator whose event loop is busy
+    # (here: blocked outright) for longer than the renew deadline keeps its Lease, and a
+    # standby never sees it go silent. Setting the stop flag ends the renewals before release.
+    from baton_operator.__main__ import _keep_lease
+
+    a, b = _elector(lease, "a"), _elector(lease, "b")
+    assert asyncio.run(a.try_acquire_or_renew())
+    stop, keeper = _keep_lease(a)
+    try:
+        version = _holder(lease)["renewTime"]
+
+        async def busy_then_standby() -> bool:
+            assert not await b.try_acquire_or_renew()  # b starts its clock on this version
+            time.sleep(TIMINGS.duration * 2)  # the loop does nothing else meanwhile
+            return await b.try_acquire_or_renew()
+
+        assert not asyncio.run(busy_then_standby()), "the standby took a Lease still renewed"
+        assert _holder(lease)["renewTime"] != version, "no renewal while the loop was busy"
+        assert a.leading
+    finally:
+        stop.set()
+        keeper.join(timeout=30)
+    assert not keeper.is_alive(), "the keeper did not stop when asked"
+    asyncio.run(a.release())
+    assert asyncio.run(b.try_acquire_or_renew()), "a released Lease must be free at once"
