@@ -439,10 +439,13 @@ class Reconciler:
         # Fall back to the newest step every rank is known to have committed.
         last = status.last_checkpoint
         best = reports.fallback_step(last, memory.reports.values())
-        message = (
-            f"checkpoint before the notice did not complete ({verdict.reason}); resuming from "
-            + ("the start (no checkpoint was committed yet)" if best is None else
-               f"the last committed step {best}; work after it is recomputed")
+        # Not "work after it is lost": the ranks load the newest committed step, and a notice
+        # save that committed unseen (its sidecars gone during an API outage) is then reported
+        # as ResumeStepCorrected.
+        message = f"checkpoint before the notice did not complete ({verdict.reason}); " + (
+            "resuming from the start (no checkpoint was committed yet)" if best is None else
+            f"the last step known to be committed is {best}: the ranks resume from it, or "
+            "from a newer step committed unseen"
         )  # fmt: skip
         await self._event(t.job, "Warning", "CheckpointFallback", message)
         extra: dict[str, Any] = {}

@@ -360,7 +360,7 @@ def test_a_failed_save_falls_back_to_the_newest_step_any_rank_committed() -> Non
     fallback = [m for _, reason, m in h.events if reason == "CheckpointFallback"]
     assert len(fallback) == 1
     assert "disk full" in fallback[0]
-    assert "the last committed step 30" in fallback[0]
+    assert "the last step known to be committed is 30" in fallback[0]
 
 
 def test_a_notice_before_the_attempt_runs_moves_it_without_asking_for_a_save() -> None:
