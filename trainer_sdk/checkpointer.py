@@ -204,20 +204,6 @@ class Checkpointer:
             local_rank=self.local_rank,
             local_world_size=max(env_number("LOCAL_WORLD_SIZE", int) or 1, 1),
         )
-        self._notices = NoticeServer(
-            rank=self.rank,
-            group=self._group,
-            deadline_margin=self.config.deadline_margin,
-            board=self._board,
-            status=self._reporter,
-            estimator=self._estimator,
-            drain=self._drain,
-            prepare=self._prepare,
-            probe=self._probe,
-            save=self._save_prepared,
-            last_committed=lambda: self._last_committed,
-            step_uri=self._step_uri,
-        )
         self._closed = False
 
     # ---- public API -----------------------------------------------------------------------
@@ -341,7 +327,7 @@ class Checkpointer:
         if agreement is not None and agreement.background_failed:
             self._raise_background_failure()
         if agreement is not None and local is not None and agreement.notice:
-            return self._notices.serve(step, local, agreement)
+            return self._notice_server().serve(step, local, agreement)
         periodic = (
             self.config.every_steps is not None and step % self.config.every_steps == 0
         ) or (agreement is not None and agreement.periodic_due)
@@ -505,6 +491,25 @@ class Checkpointer:
         self._resume_note = None
         self._after_commit(info, plan.nbytes)
         return info
+
+    def _notice_server(self) -> NoticeServer:
+        """Built when a notice is served, not kept: it holds this Checkpointer's methods, and a
+        reference cycle would keep the Checkpointer (and its process groups) alive until
+        interpreter shutdown, where tearing down a gloo group aborts the process."""
+        return NoticeServer(
+            rank=self.rank,
+            group=self._group,
+            deadline_margin=self.config.deadline_margin,
+            board=self._board,
+            status=self._reporter,
+            estimator=self._estimator,
+            drain=self._drain,
+            prepare=self._prepare,
+            probe=self._probe,
+            save=self._save_prepared,
+            last_committed=lambda: self._last_committed,
+            step_uri=self._step_uri,
+        )
 
     def _save_prepared(
         self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
