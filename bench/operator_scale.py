@@ -365,37 +365,17 @@ class Bench:
 
 
 def _scale_manifest(name: str, out: Path, port: int) -> dict[str, Any]:
+    from baton_testing.jobs import training_job
     from baton_testing.operator_harness import NAMESPACE
 
-    return {
-        "apiVersion": "baton.dev/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "replicas": 2,
-            "template": {
-                "spec": {
-                    "terminationGracePeriodSeconds": 10,
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "baton-example:dev",
-                            "command": [
-                                "python",
-                                str(Path(__file__).resolve()),
-                                "trainer",
-                                "--out",
-                                str(out),
-                            ],
-                        }
-                    ],
-                }
-            },
-            "checkpoint": {"uri": str(out / "ckpt"), "everySteps": 1000000},
-            "failurePolicy": {"maxFailures": 5, "backoffSeconds": 1},
-            "masterPort": port,
-        },
-    }
+    return training_job(
+        name, NAMESPACE,
+        command=["python", str(Path(__file__).resolve()), "trainer", "--out", str(out)],
+        checkpoint={"uri": str(out / "ckpt"), "everySteps": 1000000},
+        failure_policy={"maxFailures": 5, "backoffSeconds": 1},
+        master_port=port,
+        pod={"terminationGracePeriodSeconds": 10},
+    )  # fmt: skip
 
 
 def _ready(bench: Bench, outs: dict[str, Path], attempts: dict[str, int]) -> bool:
@@ -598,40 +578,26 @@ class ControlPoller:
 def _commit_manifest(
     name: str, uri: str, env: list[dict[str, Any]], hidden: int, out: Path, port: int
 ) -> dict[str, Any]:
+    from baton_testing.jobs import training_job
     from baton_testing.operator_harness import NAMESPACE
 
     cmd = [
         "python", "-m", "baton_testing.trainer", "--steps", "100000", "--hidden", str(hidden),
         "--loss-log", str(out / "loss.log"), "--timeout", "120",
     ]  # fmt: skip
-    return {
-        "apiVersion": "baton.dev/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "replicas": 2,
-            "template": {
-                "spec": {
-                    "terminationGracePeriodSeconds": 60,
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "baton-example:dev",
-                            "command": cmd,
-                            "env": [
-                                {"name": "PYTHONPATH", "value": f"{REPO / 'tests'}:{REPO}"},
-                                {"name": "PYTHONUNBUFFERED", "value": "1"},
-                                *env,
-                            ],
-                        }
-                    ],
-                }
-            },
-            "checkpoint": {"uri": uri, "everySteps": 1000000},
-            "failurePolicy": {"maxFailures": 0, "backoffSeconds": 1},
-            "masterPort": port,
-        },
-    }
+    return training_job(
+        name, NAMESPACE,
+        command=cmd,
+        env=[
+            {"name": "PYTHONPATH", "value": f"{REPO / 'tests'}:{REPO}"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *env,
+        ],
+        checkpoint={"uri": uri, "everySteps": 1000000},
+        failure_policy={"maxFailures": 0, "backoffSeconds": 1},
+        master_port=port,
+        pod={"terminationGracePeriodSeconds": 60},
+    )  # fmt: skip
 
 
 def _read_manifest(step_uri: str, s3: Any) -> dict[str, Any]:
