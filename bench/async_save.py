@@ -242,8 +242,7 @@ def _collective_worker(out: str) -> None:
 
 
 def bench_collective(root: Path) -> dict[str, float]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from baton_testing.ports import free_port
+    from baton_testing.ports import free_port  # tests/ is on the venv's path (`make venv`)
 
     out = root / "collective.json"
     port = free_port()

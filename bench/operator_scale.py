@@ -760,7 +760,6 @@ def print_commit(results: list[dict[str, Any]], argv: str) -> None:
 
 @contextlib.contextmanager
 def _bench(work_root: str | None, nodes: int) -> Iterator[Bench]:
-    sys.path.insert(0, str(REPO / "tests"))
     work = Path(tempfile.mkdtemp(prefix="baton-opscale-", dir=work_root))
     bench = Bench(work=work, nodes=nodes)
     try:

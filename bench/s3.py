@@ -35,7 +35,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,11 +48,13 @@ from typing import Any
 import boto3.s3.transfer
 import torch
 
+# The S3 server driver the tests use (tests/ is on the venv's path: `make venv`).
+from baton_testing.ports import free_port
+from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer
+
 import trainer_sdk
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the S3 server driver the tests use
-from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer  # noqa: E402
 
 N_TENSORS = 16
 BUCKET = "bench"
@@ -259,9 +260,7 @@ def _rank_main(gib: float, runs: int, out_path: str) -> None:
 
 
 def bench_two_ranks(meter: Meter, base: Path, gib: float, runs: int) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(base / "s3-r2-results.json")
     procs = []
     s0 = process_cpu(meter.server_pid)

@@ -30,7 +30,6 @@ import math
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from baton_testing.ports import free_port  # tests/ is on the venv's path (`make venv`)
 
 import trainer_sdk
 
@@ -379,9 +379,7 @@ def _rank_main(base: str, gib: float, runs: int, out_path: str) -> None:
 
 
 def bench_two_ranks(base: Path, gib: float, runs: int) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(base / "r2-results.json")
     procs = []
     for rank in range(2):

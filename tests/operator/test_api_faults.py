@@ -7,7 +7,6 @@ server is down), and the real /healthz server; the cluster tests produce 403s fo
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 from urllib.error import HTTPError
 
@@ -15,18 +14,13 @@ import pytest
 from baton_operator import faults, metrics
 from baton_operator.errors import KubeError
 from baton_operator.kube import Kube
+from baton_testing.ports import free_port
 from kubernetes import client as k8s_client
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _dead_api_kube() -> Kube:
     config = k8s_client.Configuration()
-    config.host = f"http://127.0.0.1:{_closed_port()}"
+    config.host = f"http://127.0.0.1:{free_port()}"
     config.retries = 0
     return Kube(k8s_client.ApiClient(config))
 
@@ -73,7 +67,7 @@ def test_healthz_fails_only_after_the_grace_and_recovers() -> None:
 
 def test_the_healthz_endpoint_answers_503_with_the_cause() -> None:
     m, health = metrics.Metrics(), metrics.Health(grace_seconds=0.0)
-    port = _closed_port()
+    port = free_port()
 
     async def run() -> tuple[int, str, int]:
         runner = await metrics.serve(m, port=port, host="127.0.0.1", health=health)
