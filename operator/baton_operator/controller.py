@@ -17,6 +17,9 @@ budgets, verdicts, deadlines), ``pods`` (notices, deletes, rank views), ``report
 sidecar's answer means) and ``jobstatus`` (status parsing and patches). The Node watch's
 state comes through :class:`ClusterView`; starting a job and creating its objects is
 ``creating.py``, and the guarded writes are ``writing.py``.
+
+At about 600 lines it is one state machine's sequencing (one method per phase, the notice
+path, the sidecar polls); splitting it further would scatter a tick across files.
 """
 
 from __future__ import annotations
