@@ -55,6 +55,10 @@ def _rank2_never_restores(root: str, sync_dir: str) -> dict[str, Any]:
     except CollectiveTimeoutError as e:
         out = {"error": type(e).__name__, "msg": str(e), "ranks": list(e.ranks)}
     (sync / f"done-{rank}").touch()
+    # Stay until the other waiting rank has its own answer: a rank that returns first closes
+    # its connections, and on a loaded machine the other would then see "a peer failed"
+    # (rank 0 leaving) before its own timer fires.
+    _wait_for(sync / f"done-{1 - rank}")
     return out
 
 
