@@ -338,6 +338,21 @@ class Baton:
 
         return self.wait_for(job, done, timeout=timeout, what=f"phase {phase}")
 
+    def wait_moved_once(
+        self, job: str, noticed_node: str, watcher: Any, *, replicas: int, timeout: float = 240
+    ) -> dict[str, Any]:
+        """Wait until a job preempted once Succeeds; check that it counted one preemption and
+        no failure, that attempt 1 ran off ``noticed_node``, and that ``watcher`` (stopped
+        here) saw no overlapping or duplicate pods. Returns the final status."""
+        final = self.wait_phase(job, "Succeeded", timeout=timeout)
+        watcher.stop()
+        assert (final["preemptions"], final["failures"]) == (1, 0), final
+        for pod in self.pods(job):
+            if pod["metadata"]["labels"]["baton.dev/attempt"] == "1":
+                assert pod["spec"]["nodeName"] != noticed_node, "attempt 1 ran on the noticed node"
+        assert watcher.violations(replicas=replicas) == []
+        return final
+
     def wait_steps(self, job: str, steps: int, *, timeout: float = 120) -> None:
         log = self.workdir / job / "loss.log"
 
