@@ -79,6 +79,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         f"{', '.join(DEFAULT_SERVICE_ACCOUNTS)} (repeatable)",
     )  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument(
+        "--metrics-host", default=os.environ.get("POD_IP") or d.metrics_host,
+        help=f"address of /metrics and /healthz (default: $POD_IP, else {d.metrics_host})",
+    )  # fmt: skip
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: in-cluster)")
     p.add_argument("--sidecar-image", default=d.sidecar_image)
     p.add_argument(
@@ -120,6 +124,7 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
             )
         ),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         kubeconfig=args.kubeconfig,
         sidecar_image=args.sidecar_image,
         sidecar_command=tuple(args.sidecar_command.split()),
@@ -176,7 +181,9 @@ async def _operate(config: OperatorConfig) -> None:
     from . import kube, leader, metrics
 
     registry, health = metrics.Metrics(), metrics.Health()
-    runner = await metrics.serve(registry, port=config.metrics_port, health=health)
+    runner = await metrics.serve(
+        registry, port=config.metrics_port, host=config.metrics_host, health=health
+    )
     memo = kopf.Memo(config=config, metrics=registry, health=health, metrics_runner=runner)
     if config.standalone:
         await kopf.operator(memo=memo, **kopf_operator_args(config))

@@ -106,7 +106,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
         metrics, health = metrics_mod.Metrics(), metrics_mod.Health()
         memo["metrics"], memo["health"] = metrics, health
         memo["metrics_runner"] = await metrics_mod.serve(
-            metrics, port=config.metrics_port, health=health
+            metrics, port=config.metrics_port, host=config.metrics_host, health=health
         )
     sidecars = SidecarClient(
         port=config.sidecar_port, timeout_seconds=config.sidecar_timeout_seconds

@@ -52,6 +52,10 @@ class OperatorConfig:
     """What a pod template may ask for (podpolicy.py, docs/operator.md "Security policy")."""
     metrics_port: int = 8080
     """Port of ``/metrics`` and ``/healthz`` (docs/contracts.md)."""
+    metrics_host: str = "0.0.0.0"  # noqa: S104 - the manifests pass the pod IP
+    """Address ``/metrics`` and ``/healthz`` are served on. The chart and deploy/ pass the pod IP
+    (``$POD_IP``), as the sidecar binds: where pods share a network namespace (the local
+    cluster's pods are host processes), two replicas on ``0.0.0.0`` would take one port."""
     kubeconfig: str | None = None
     """A kubeconfig path; None means the in-cluster ServiceAccount (then ``$KUBECONFIG``)."""
     sidecar_image: str = "baton:0.1.0"

@@ -143,13 +143,17 @@ def test_defaults_render_the_operator(helm: str) -> None:
     assert container["resources"]["limits"] == {"memory": "512Mi"}
     assert container["args"] == [
         "--metrics-port=8080",
+        "--metrics-host=$(POD_IP)",
         "--sidecar-image=baton-sidecar:0.1.0",
         "--identity=$(POD_NAME)",
         f"--operator-namespace={NAMESPACE}",
         "--all-namespaces",
     ]
+    # Each replica serves its probes on its own pod IP: on 0.0.0.0, replicas that share a
+    # network namespace (the local cluster's, a hostNetwork install) would take one port.
     assert container["env"] == [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     assert pod["serviceAccountName"] == _one(docs, "ServiceAccount")["metadata"]["name"]
     service = _one(docs, "Service")
@@ -284,13 +288,14 @@ def test_custom_values_reach_the_deployment(helm: str) -> None:
     }
     assert container["args"] == [
         "--metrics-port=8080",
+        "--metrics-host=$(POD_IP)",
         "--sidecar-image=registry.internal/ml/baton-sidecar:0.1.0-patch1",
         "--standalone",
         "--namespace=ml-research",
         "--namespace=ml-prod",
         "--verbose",
     ]
-    assert container["env"][1:] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]
+    assert container["env"][2:] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]
     assert pod["serviceAccountName"] == "platform-baton"
     assert pod["imagePullSecrets"] == [{"name": "internal-registry"}]
     assert pod["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
 
 import kopf
 import pytest
@@ -11,6 +17,7 @@ import yaml
 from baton_operator import __main__ as cli
 from baton_operator import handlers
 from baton_operator.settings import OperatorConfig
+from baton_testing.ports import free_port
 
 
 def test_kopf_settings_from_config() -> None:
@@ -97,3 +104,72 @@ def test_lease_timings_must_let_the_active_operator_stop_first() -> None:
         OperatorConfig(lease_duration_seconds=3, lease_renew_deadline_seconds=3.0)
     with pytest.raises(ValueError, match="lengthen the lease"):
         OperatorConfig(lease_renew_seconds=3.0, lease_renew_deadline_seconds=2.0)
+
+
+def test_replicas_sharing_a_network_namespace_each_serve_their_probes(tmp_path: Path) -> None:
+    """Two replicas, one port, two pod IPs (as on the local cluster, whose pods are host
+    processes): each binds its own $POD_IP and answers its probes; on 0.0.0.0 the second
+    exited with "address already in use" and crash-looped (CI, the demo's helm install)."""
+    port = free_port()
+    # An API server that is not there: the replicas serve their probes before the election,
+    # and keep trying for the Lease; that is all this test needs of them.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}
+                ],
+                "users": [{"name": "u", "user": {}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    replicas: dict[str, subprocess.Popen[bytes]] = {}
+    logs: list[IO[bytes]] = []
+    try:
+        for ip in ("127.0.0.2", "127.0.0.3"):
+            command = [
+                sys.executable, "-m", "baton_operator", "run", "--all-namespaces",
+                "--kubeconfig", str(kubeconfig), "--operator-namespace", "baton-system",
+                "--identity", f"replica-{ip}", "--metrics-port", str(port),
+            ]  # fmt: skip
+            log = (tmp_path / f"{ip}.log").open("wb")
+            logs.append(log)
+            replicas[ip] = subprocess.Popen(
+                command, env={**os.environ, "POD_IP": ip}, stdout=log, stderr=subprocess.STDOUT
+            )
+        for ip, proc in replicas.items():
+            status = _wait_for_answer(f"http://{ip}:{port}/healthz", proc, deadline=120)
+            assert status in (200, 503), (ip, status)
+        for ip, proc in replicas.items():
+            assert proc.poll() is None, (tmp_path / f"{ip}.log").read_text()
+    finally:
+        for proc in replicas.values():
+            proc.terminate()
+        for proc in replicas.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for log in logs:
+            log.close()
+
+
+def _wait_for_answer(url: str, proc: subprocess.Popen[bytes], *, deadline: float) -> int:
+    end = time.monotonic() + deadline
+    while True:
+        assert proc.poll() is None, f"the replica exited ({proc.returncode}) before serving {url}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except OSError:
+            if time.monotonic() > end:
+                raise
+        time.sleep(0.2)
