@@ -67,8 +67,9 @@ importlint: venv
 	$(VENV)/bin/lint-imports
 
 ## All tests, including the `cluster` and `e2e` markers. pytest's exit 5 (nothing collected) fails.
+## --durations=30: every log lists the 30 slowest tests, to see where the suite's time goes.
 pytest: build
-	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest --durations=30 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)"; exit 1; fi; \
 	exit $$rc
 
