@@ -36,7 +36,15 @@ PLURAL: Final = "trainingjobs"
 SINGULAR: Final = "trainingjob"
 SHORT_NAME: Final = "tj"
 
-PHASES: Final = ("Pending", "Running", "Checkpointing", "Restarting", "Succeeded", "Failed")
+PHASES: Final = (
+    "Pending",
+    "Running",
+    "Checkpointing",
+    "Restarting",
+    "Suspended",
+    "Succeeded",
+    "Failed",
+)
 
 # Bounds that keep the CEL cost estimate small (an unbounded list makes the API server
 # reject the CRD for an estimated cost over budget) and that no real job comes near.
@@ -264,6 +272,16 @@ def _spec_schema() -> dict[str, Any]:
             "template": template,
             "checkpoint": checkpoint,
             "failurePolicy": failure_policy,
+            "suspend": {
+                "type": "boolean",
+                "default": False,
+                "description": (
+                    "As in batch/v1 Job and JobSet (Kueue sets it): true stops the job's pods "
+                    "after a checkpoint (phase Suspended; no budget is spent), and a job "
+                    "created suspended creates none; false again starts a new attempt that "
+                    "resumes from the newest committed step."
+                ),
+            },
         },
         "x-kubernetes-validations": [
             {
@@ -329,7 +347,8 @@ def _status_schema() -> dict[str, Any]:
         "description": "The eviction notice being handled (checkpoint-then-reschedule).",
         "properties": {
             "source": _str(
-                "aws, karpenter, gke, autoscaler, cordon, out-of-service, disruption-target."
+                "aws, karpenter, gke, autoscaler, cordon, out-of-service, disruption-target; "
+                "suspend for the save before a suspend."
             ),
             "nodes": {
                 "type": "array",
@@ -401,7 +420,8 @@ def _status_schema() -> dict[str, Any]:
             "masterAddr": _str("Rank 0's pod IP for the current attempt."),
             "attemptStartedAt": _str("When the current attempt was created.", format="date-time"),
             "restartAfter": _str("Backoff: no new attempt before this time.", format="date-time"),
-            "restartReason": _str("preemption, failure or elastic."),
+            "restartReason": _str("preemption, failure, elastic or suspend."),
+            "suspendedAt": _str("When the job was last suspended.", format="date-time"),
             "unschedulableSince": _str(
                 "When pods of the current attempt first could not be placed.", format="date-time"
             ),
@@ -418,7 +438,9 @@ def _status_schema() -> dict[str, Any]:
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
-                "description": "Ready, Progressing, Checkpointing, Degraded, Failed.",
+                "description": (
+                    "Ready, Progressing, Checkpointing, Degraded, Suspended, Succeeded, Failed."
+                ),
             },
         },
     }

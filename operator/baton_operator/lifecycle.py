@@ -12,10 +12,13 @@ Phases::
     Running ──every rank exited 0──▶ Succeeded
     any ──budget exhausted──▶ Failed
     (new) ──template refused, or the API server rejects its objects──▶ Failed
+    Running ──spec.suspend──▶ Checkpointing ──committed / fallback──▶ Suspended
+    Pending, Restarting ──spec.suspend──▶ Suspended ──spec.suspend false──▶ Pending
 
 A preemption (a notice the operator acted on, or a rank that exited after an emergency save)
 and a failure (a crash, an unannounced node loss) are counted separately, against
-``maxPreemptions`` and ``maxFailures``; only failures back off.
+``maxPreemptions`` and ``maxFailures``; only failures back off. A suspend (``spec.suspend``,
+as Kueue sets it) is neither: it counts against no budget.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .vocabulary import SaveState
 
 __all__ = [
     "ALLOWED",
+    "SUSPEND_SOURCE",
     "Outcome",
     "Phase",
     "RankView",
@@ -50,6 +54,11 @@ __all__ = [
 ]
 
 
+SUSPEND_SOURCE: Final = "suspend"
+"""``status.notice.source`` of the save the operator asks for because ``spec.suspend`` is
+true (a suspend is served like a notice, without a node going away)."""
+
+
 class Phase(StrEnum):
     """``status.phase``."""
 
@@ -57,19 +66,31 @@ class Phase(StrEnum):
     RUNNING = "Running"
     CHECKPOINTING = "Checkpointing"
     RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    """``spec.suspend`` is true: the job has no running pods and waits to be unsuspended."""
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
 
 ALLOWED: Final[Mapping[Phase, frozenset[Phase]]] = {
     Phase.PENDING: frozenset(
-        {Phase.RUNNING, Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
+        {
+            Phase.RUNNING,
+            Phase.CHECKPOINTING,
+            Phase.RESTARTING,
+            Phase.SUSPENDED,
+            Phase.SUCCEEDED,
+            Phase.FAILED,
+        }
     ),
     Phase.RUNNING: frozenset(
         {Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
     ),
-    Phase.CHECKPOINTING: frozenset({Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}),
-    Phase.RESTARTING: frozenset({Phase.PENDING, Phase.FAILED}),
+    Phase.CHECKPOINTING: frozenset(
+        {Phase.RESTARTING, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED}
+    ),
+    Phase.RESTARTING: frozenset({Phase.PENDING, Phase.SUSPENDED, Phase.FAILED}),
+    Phase.SUSPENDED: frozenset({Phase.PENDING, Phase.FAILED}),
     Phase.SUCCEEDED: frozenset(),
     Phase.FAILED: frozenset(),
 }
@@ -312,7 +333,8 @@ class RestartPlan:
     resume_step: int | None
     restart_after: datetime | None
     reason: str
-    """preemption, failure or elastic (the ``reason`` label of ``baton_restarts_total``)."""
+    """preemption, failure, elastic or suspend (the ``reason`` label of
+    ``baton_restarts_total``; a suspend is not counted there)."""
     message: str
     exhausted: bool
 
@@ -331,16 +353,32 @@ def plan_restart(
 ) -> RestartPlan:
     """Count the restart against its budget and say what the next attempt is.
 
-    ``kind`` is preemption, failure or elastic. A new attempt uses ``spec.replicas`` (grow
-    back) unless ``replicas`` is given (an elastic shrink).
+    ``kind`` is preemption, failure, elastic or suspend. A new attempt uses ``spec.replicas``
+    (grow back) unless ``replicas`` is given (an elastic shrink). A suspend counts against no
+    budget and ends in ``Suspended``: its next attempt starts when ``spec.suspend`` is false.
     """
-    if kind not in ("preemption", "failure", "elastic"):
-        raise ValueError(f"unknown restart kind {kind!r}: use preemption, failure or elastic")
+    if kind not in ("preemption", "failure", "elastic", "suspend"):
+        raise ValueError(
+            f"unknown restart kind {kind!r}: use preemption, failure, elastic or suspend"
+        )
+    resume = "from scratch" if resume_step is None else f"from step {resume_step}"
+    if kind == "suspend":
+        return RestartPlan(
+            phase=Phase.SUSPENDED,
+            attempt=attempt + 1,
+            replicas=replicas or spec.replicas,
+            preemptions=preemptions,
+            failures=failures,
+            resume_step=resume_step,
+            restart_after=None,
+            reason=kind,
+            message=f"suspended ({detail}); unsuspending resumes {resume}",
+            exhausted=False,
+        )
     if kind == "preemption":
         preemptions += 1
     elif kind == "failure":
         failures += 1
-    resume = "from scratch" if resume_step is None else f"from step {resume_step}"
     if failures > spec.max_failures:
         return RestartPlan(
             phase=Phase.FAILED,

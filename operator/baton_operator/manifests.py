@@ -12,6 +12,7 @@ starting and its name resolving, in a real cluster or in the local one (which ha
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -24,6 +25,8 @@ __all__ = [
     "CONTROL_DIR",
     "CONTROL_VOLUME",
     "JOB_LABEL",
+    "KUEUE_GROUP_COUNT_ANNOTATION",
+    "KUEUE_GROUP_LABEL",
     "MANAGED_BY_LABEL",
     "RANK_LABEL",
     "SIDECAR_NAME",
@@ -32,6 +35,7 @@ __all__ = [
     "TOKEN_VOLUME",
     "TRAINER_NAME",
     "job_selector",
+    "kueue_group",
     "owner_reference",
     "pod_labels",
     "pod_manifest",
@@ -46,6 +50,12 @@ ATTEMPT_LABEL: Final = "baton.dev/attempt"
 RANK_LABEL: Final = "baton.dev/rank"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY: Final = "baton"
+KUEUE_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
+"""Kueue's plain-pod integration admits the pods that share this label as one Workload (gang
+admission); read from Kueue's ``pkg/controller/jobs/pod/constants`` (docs/operator.md)."""
+KUEUE_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
+"""How many pods the group has: Kueue admits none of them before it sees this many."""
+_MAX_LABEL_VALUE: Final = 63
 
 TRAINER_NAME: Final = "trainer"
 SIDECAR_NAME: Final = "baton-sidecar"
@@ -107,6 +117,19 @@ def pod_labels(job: str, attempt: int, rank: int) -> dict[str, str]:
         RANK_LABEL: str(rank),
         MANAGED_BY_LABEL: MANAGED_BY,
     }
+
+
+def kueue_group(job: str, attempt: int) -> str:
+    """The Kueue pod-group name of an attempt: one group (one Workload) per attempt, since an
+    attempt's pods are created, run and deleted together, and a new attempt is admitted anew.
+
+    A label value has at most 63 characters; a longer name keeps its head and a digest.
+    """
+    name = f"{job}-a{attempt}"
+    if len(name) <= _MAX_LABEL_VALUE:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{name[: _MAX_LABEL_VALUE - 11].rstrip('-.')}-{digest}"
 
 
 def owner_reference(spec: JobSpec) -> dict[str, Any]:
@@ -416,6 +439,13 @@ def pod_manifest(
     pod_spec.setdefault("subdomain", spec.name)
 
     labels = {**(tmeta.get("labels") or {}), **pod_labels(spec.name, attempt, rank)}
+    annotations = dict(tmeta.get("annotations") or {})
+    if spec.queue_labels:
+        # Kueue's plain-pod integration: the queue (and priority) the job is queued in, and
+        # the attempt's pods as one gang of `replicas` pods.
+        labels.update(spec.queue_labels)
+        labels[KUEUE_GROUP_LABEL] = kueue_group(spec.name, attempt)
+        annotations[KUEUE_GROUP_COUNT_ANNOTATION] = str(replicas)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -423,7 +453,7 @@ def pod_manifest(
             "name": pod_name(spec.name, attempt, rank),
             "namespace": spec.namespace,
             "labels": labels,
-            "annotations": dict(tmeta.get("annotations") or {}),
+            "annotations": annotations,
             "ownerReferences": [owner_reference(spec)],
         },
         "spec": pod_spec,

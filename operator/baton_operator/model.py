@@ -7,10 +7,22 @@ only so that a body that skipped defaulting (a unit test, an old object) still p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
-__all__ = ["JobSpec", "LastCheckpoint"]
+__all__ = ["KUEUE_PRIORITY_LABEL", "KUEUE_QUEUE_LABEL", "JobSpec", "LastCheckpoint"]
+
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+"""The LocalQueue a workload is queued in (Kueue's ``constants.QueueLabel``)."""
+KUEUE_PRIORITY_LABEL: Final = "kueue.x-k8s.io/priority-class"
+"""The WorkloadPriorityClass of a workload (Kueue's ``constants.WorkloadPriorityClassLabel``)."""
+
+
+def _queue_labels(labels: Mapping[str, Any]) -> dict[str, str]:
+    if not labels.get(KUEUE_QUEUE_LABEL):
+        return {}
+    keys = (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL)
+    return {k: str(labels[k]) for k in keys if labels.get(k)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +49,12 @@ class JobSpec:
     max_preemptions: int
     backoff_seconds: float
     max_backoff_seconds: float
+    suspend: bool = False
+    """``spec.suspend``: stop the pods after a checkpoint and keep them stopped (Kueue sets it
+    on a job it has not admitted, or has preempted)."""
+    queue_labels: Mapping[str, str] = field(default_factory=dict)
+    """The job's Kueue labels that its pods carry too (``kueue.x-k8s.io/queue-name`` and
+    ``kueue.x-k8s.io/priority-class``); empty when the job names no queue."""
 
     @property
     def key(self) -> str:
@@ -72,6 +90,8 @@ class JobSpec:
             max_preemptions=int(policy.get("maxPreemptions", 100)),
             backoff_seconds=float(policy.get("backoffSeconds", 10)),
             max_backoff_seconds=float(policy.get("maxBackoffSeconds", 300)),
+            suspend=bool(spec.get("suspend", False)),
+            queue_labels=_queue_labels(meta.get("labels") or {}),
         )
 
 

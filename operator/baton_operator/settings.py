@@ -81,6 +81,10 @@ class OperatorConfig:
     """A deadline already past (or nearer than this) is pushed to now + this, so the SDK can
     still try a save at the next step, or say it skipped. Above the SDK's own safety margin
     (5 s by default), which it subtracts from the deadline."""
+    suspend_save_seconds: float = 60.0
+    """How long a suspend (``spec.suspend: true`` on a running job) waits for its checkpoint
+    to commit before it stops the pods anyway: Kueue suspends a job to take its quota back,
+    so the wait is bounded, and a save of a multi-GiB state to object storage fits in it."""
     node_lost_seconds: int = 20
     """Pods tolerate an unreachable/not-ready node this long before taint eviction (and the
     operator calls the node lost): the default 300 s would leave a job idle for five minutes."""

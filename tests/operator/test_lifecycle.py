@@ -281,3 +281,26 @@ def test_sidecar_status_parsing() -> None:
     )
     assert c.committed_step == 50
     assert SidecarStatus.from_json({"state": "saving"}).committed_step is None
+
+
+def test_a_suspend_counts_against_no_budget_even_a_spent_one() -> None:
+    plan = lifecycle.plan_restart(
+        spec(), kind="suspend", attempt=3, preemptions=3, failures=2, resume_step=40, now=NOW,
+        detail="stopped at step 40",
+    )  # fmt: skip
+    assert plan.phase is Phase.SUSPENDED
+    assert not plan.exhausted, "both budgets are at their limit: a suspend spends neither"
+    assert (plan.attempt, plan.preemptions, plan.failures) == (4, 3, 2)
+    assert (plan.resume_step, plan.restart_after, plan.reason) == (40, None, "suspend")
+    assert plan.message == "suspended (stopped at step 40); unsuspending resumes from step 40"
+
+
+def test_suspended_is_entered_from_the_phases_with_no_training_in_flight() -> None:
+    for before in (Phase.PENDING, Phase.CHECKPOINTING, Phase.RESTARTING):
+        assert lifecycle.check_transition(before, Phase.SUSPENDED) is Phase.SUSPENDED
+    with pytest.raises(ValueError, match="illegal"):
+        # A running attempt is checkpointed first (Checkpointing), never dropped.
+        lifecycle.check_transition(Phase.RUNNING, Phase.SUSPENDED)
+    assert lifecycle.check_transition(Phase.SUSPENDED, Phase.PENDING) is Phase.PENDING
+    with pytest.raises(ValueError, match="illegal"):
+        lifecycle.check_transition(Phase.SUSPENDED, Phase.RUNNING)

@@ -349,3 +349,22 @@ def test_builders_do_not_mutate_the_template() -> None:
         avoid_nodes=["x"],
     )
     assert repr(s.template) == before
+
+
+def test_kueue_metadata_joins_the_templates_own_and_names_the_attempts_group() -> None:
+    queued = replace(spec(), queue_labels={"kueue.x-k8s.io/queue-name": "team-a"})
+    pod = manifests.pod_manifest(
+        queued, CONFIG, attempt=3, rank=1, replicas=2, master_addr="127.0.5.1", resume_step=None
+    )
+    meta = pod["metadata"]
+    assert meta["labels"]["team"] == "a", "the template's labels stay"
+    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert meta["labels"][manifests.KUEUE_GROUP_LABEL] == "tiny-a3"
+    assert meta["annotations"] == {"note": "x", manifests.KUEUE_GROUP_COUNT_ANNOTATION: "2"}
+    # A label value has at most 63 characters: a long job name keeps its head and a digest,
+    # distinct per attempt.
+    long = "j" * 80
+    groups = {manifests.kueue_group(long, a) for a in range(3)}
+    assert len(groups) == 3
+    assert all(len(g) <= 63 and g.startswith("j" * 40) for g in groups)
+    assert "kueue.x-k8s.io/pod-group-name" not in build()["metadata"]["labels"]

@@ -786,3 +786,248 @@ def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_pre
         "baton_checkpoint_interval_seconds", {"namespace": NS, "job": JOB}
     )
     assert gauge == second["seconds"]
+
+
+# ----------------------------------------------------------------- spec.suspend (Kueue)
+
+
+def _suspend(h: Harness, value: bool) -> None:
+    """The user (or Kueue) sets ``spec.suspend``, as a patch of the spec does."""
+    h.kube.job["spec"]["suspend"] = value
+    h.kube.job["metadata"]["generation"] += 1
+    h.kube.bump()
+
+
+def _budgets(h: Harness) -> tuple[int, int]:
+    return h.kube.status["preemptions"], h.kube.status["failures"]
+
+
+def _reasons(h: Harness) -> list[str]:
+    return [reason for _, reason, _ in h.events]
+
+
+def test_suspend_checkpoints_every_rank_first_then_stops_the_pods_and_resumes_there() -> None:
+    h = Harness(maxFailures=3)
+    h.running()
+    # Budgets already spent stay exactly as they are across the suspend.
+    h.kube.status.update(preemptions=2, failures=1)
+    _suspend(h, True)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Checkpointing"
+    assert status["notice"]["source"] == "suspend"
+    assert h.kube.condition("Checkpointing")["reason"] == "Suspend"
+    assert h.kube.deleted == []
+    assert h.sidecars.requests == []
+    h.report_all(state="requested")
+    h.tick()
+    assert sorted(ip for ip, _, _ in h.sidecars.requests) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert all(reason.startswith("suspend:") for _, _, reason in h.sidecars.requests)
+    deadline = h.sidecars.requests[0][1]
+    assert deadline >= datetime.now(tz=UTC) + timedelta(
+        seconds=h.config.suspend_save_seconds - 5
+    ), "the suspend's own window, not a notice's"
+    h.report_all(state="saving", trigger="notice")
+    h.tick()
+    h.tick()
+    assert h.kube.deleted == [], "no pod goes before the save has an outcome"
+    assert h.kube.status["phase"] == "Checkpointing"
+
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert sorted(h.kube.deleted) == [
+        (h.pod(0, r), h.config.delete_grace_seconds) for r in range(REPLICAS)
+    ]
+    assert (status["attempt"], status["resumedFromStep"]) == (1, 40)
+    assert status["lastCheckpoint"]["step"] == 40
+    assert status["restartReason"] == "suspend"
+    assert _budgets(h) == (2, 1), "a suspend is neither a preemption nor a failure"
+    assert "notice" not in status
+    suspended = h.kube.condition("Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("True", "Suspended")
+    assert "stopped at step 40" in suspended["message"]
+    assert h.kube.condition("Ready")["status"] == "False"
+    event = next(m for _, r, m in h.events if r == "Suspended")
+    assert "stopped at step 40" in event
+    assert "resumes from step 40" in event
+    sample = h.registry.get_sample_value
+    assert sample("baton_jobs", {"phase": "Suspended"}) == 0  # the phase is read next tick
+    for _ in range(3):
+        h.tick()
+    assert sample("baton_jobs", {"phase": "Suspended"}) == 1
+    assert (
+        sample("baton_restarts_total", {"namespace": NS, "job": JOB, "reason": "suspend"}) is None
+    )
+    assert sample("baton_preemptions_total", {"namespace": NS, "job": JOB}) == 0
+    assert h.kube.pods == {}, "a suspended job creates no pods"
+
+    _suspend(h, False)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Pending"
+    assert (status["attempt"], status["resumedFromStep"]) == (1, 40)
+    assert _budgets(h) == (2, 1)
+    assert h.kube.condition("Suspended")["status"] == "False"
+    assert "Resumed" in _reasons(h)
+    assert list(h.kube.pods) == [h.pod(1, 0)]
+    assert _env_of(h, 1, 0)["BATON_RESUME_STEP"] == "40"
+    assert h.kube.phases()[-4:] == ["Running", "Checkpointing", "Suspended", "Pending"]
+
+
+def test_a_suspend_whose_save_times_out_still_stops_the_pods_at_the_last_committed_step() -> None:
+    h = Harness()
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="saving", trigger="notice")
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    # The deadline passes with the save still in flight (a stuck object store).
+    h.kube.status["notice"]["deadline"] = "2026-01-01T00:00:00Z"
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended", "Kueue wants the quota back: the pods stop anyway"
+    assert sorted(name for name, _ in h.kube.deleted) == [h.pod(0, r) for r in range(REPLICAS)]
+    assert (status["attempt"], status["resumedFromStep"]) == (1, 20)
+    assert (status["preemptions"], status["failures"]) == (0, 0)
+    condition = h.kube.condition("Suspended")
+    assert condition["reason"] == "SuspendedWithoutCheckpoint"
+    assert "the last committed step is 20" in condition["message"]
+    fallback = next(m for _, r, m in h.events if r == "CheckpointFallback")
+    assert "deadline passed" in fallback
+    assert "the last committed step is 20" in fallback
+    assert "SuspendedWithoutCheckpoint" in _reasons(h)
+
+
+def test_a_job_created_suspended_creates_no_pods_until_unsuspended() -> None:
+    h = Harness()
+    h.kube.job["spec"]["suspend"] = True
+    for i in range(REPLICAS):
+        h.node(f"n{i}")
+    for _ in range(4):
+        h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert h.kube.created == []
+    assert h.kube.deleted == []
+    assert status["attempt"] == 0, "nothing ran: no attempt is used up"
+    assert h.kube.condition("Suspended")["status"] == "True"
+    _suspend(h, False)
+    h.tick()
+    assert h.kube.status["phase"] == "Pending"
+    assert h.kube.created == [h.pod(0, 0)]
+    assert "BATON_RESUME_STEP" not in _env_of(h, 0, 0)
+    h.kube.run(h.pod(0, 0), node="n0", ip="10.0.0.1")
+    h.tick()
+    assert h.kube.created == [h.pod(0, r) for r in range(REPLICAS)]
+
+
+def test_a_suspend_before_the_attempt_runs_stops_its_pods_without_asking_for_a_save() -> None:
+    h = Harness()
+    for i in range(REPLICAS):
+        h.node(f"n{i}")
+    h.tick()
+    h.tick()
+    h.kube.run(h.pod(0, 0), node="n0", ip="10.0.0.1")
+    h.kube.status["lastCheckpoint"] = {"step": 10, "trigger": "periodic"}
+    _suspend(h, True)
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert h.sidecars.requests == [], "nothing trained since the last commit: nothing to save"
+    assert h.kube.deleted == [(h.pod(0, 0), h.config.delete_grace_seconds)]
+    assert (status["attempt"], status["resumedFromStep"]) == (1, 10)
+    assert (status["preemptions"], status["failures"]) == (0, 0)
+
+
+def test_a_restarted_operator_finishes_a_suspend_decided_before_it_died() -> None:
+    h = Harness()
+    h.running()
+    _suspend(h, True)
+    h.tick()  # Checkpointing (suspend), written; the operator dies before asking the ranks
+    h.memory = JobMemory()
+    h.report_all(state="requested")
+    h.tick()  # the next operator reads the status and asks them itself
+    assert len(h.sidecars.requests) == REPLICAS
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.0)
+    real_delete = h.kube.delete_pod
+
+    async def killed(namespace: str, name: str, *, grace_seconds: int | None) -> None:
+        raise RuntimeError("operator killed between its status write and the deletes")
+
+    h.kube.delete_pod = killed  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="operator killed"):
+        h.tick()
+    assert h.kube.status["phase"] == "Suspended", "the decision is written before it is done"
+    assert len(h.kube.pods) == REPLICAS
+    h.kube.delete_pod = real_delete  # type: ignore[method-assign]
+    h.memory = JobMemory()
+    h.tick()
+    assert h.kube.pods == {}, "the next operator deletes what the suspend left"
+    status = h.kube.status
+    assert (status["phase"], status["attempt"], status["resumedFromStep"]) == ("Suspended", 1, 40)
+    assert h.kube.created.count(h.pod(1, 0)) == 0
+
+
+def test_a_notice_save_in_flight_when_the_job_is_suspended_ends_suspended() -> None:
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="saving", trigger="notice")
+    h.tick()
+    _suspend(h, True)
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["resumedFromStep"], status["preemptions"]) == (
+        "Suspended",
+        40,
+        0,
+    )
+    assert "n1" in status["avoidNodes"], "the resumed attempt still keeps off the noticed node"
+    _suspend(h, False)
+    h.tick()
+    assert "n1" in str(h.kube.pods[h.pod(1, 0)]["spec"]["affinity"])
+
+
+def _kueue_metadata(h: Harness, attempt: int) -> list[tuple[dict[str, str], dict[str, str]]]:
+    pods = [h.kube.pods[h.pod(attempt, r)]["metadata"] for r in range(REPLICAS)]
+    return [(m["labels"], m.get("annotations") or {}) for m in pods]
+
+
+def test_pods_carry_the_jobs_kueue_queue_and_one_pod_group_per_attempt() -> None:
+    h = Harness()
+    h.kube.job["metadata"]["labels"] = {
+        "kueue.x-k8s.io/queue-name": "team-a",
+        "kueue.x-k8s.io/priority-class": "high",
+        "other": "x",
+    }
+    h.running()
+    seen = {0: _kueue_metadata(h, 0)}
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    h.tick()
+    h.kube.run(h.pod(1, 0), node="n0", ip="10.0.0.1")
+    h.tick()
+    seen[1] = _kueue_metadata(h, 1)
+    for attempt, pods in seen.items():
+        for labels, notes in pods:
+            assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+            assert labels["kueue.x-k8s.io/priority-class"] == "high"
+            assert labels["kueue.x-k8s.io/pod-group-name"] == f"{JOB}-a{attempt}"
+            assert notes["kueue.x-k8s.io/pod-group-total-count"] == str(REPLICAS)
+            assert "other" not in labels, "only Kueue's labels pass from the job to its pods"
+
+
+def test_a_job_without_a_queue_gets_no_kueue_metadata() -> None:
+    h = Harness()
+    h.kube.job["metadata"]["labels"] = {"kueue.x-k8s.io/priority-class": "high"}
+    h.running()
+    for labels, notes in _kueue_metadata(h, 0):
+        assert not [k for k in (*labels, *notes) if k.startswith("kueue.x-k8s.io/")]
