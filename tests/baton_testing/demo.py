@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -340,32 +339,8 @@ class Demo:
             self.cluster.kubectl("create", "namespace", ns)
             self.cluster.kubectl("label", "namespace", ns, RESTRICTED, "--overwrite")
 
-    def _wait_port_free(self, port: int, timeout: float = 300.0) -> None:
-        # The local cluster's pods share the host's network, and the operator listens on
-        # 0.0.0.0:8080 (the contract port): an operator of another local cluster on this machine
-        # would take it, and the probes of ours would be answered by that one.
-        began = time.monotonic()
-        while True:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("0.0.0.0", port))  # what the operator binds
-                    return
-                except OSError:
-                    pass
-            waited = time.monotonic() - began
-            if waited > timeout:
-                raise DemoError(
-                    f"port {port} is still in use after {timeout:.0f}s: the operator needs it on "
-                    f"the host network; stop the other process (ss -ltnp | grep :{port})"
-                )
-            if int(waited) % 15 == 0:
-                say(f"operator: port {port} is in use by another process; waiting ({waited:.0f}s)")
-            time.sleep(1)
-
     def install_operator(self) -> None:
         assert self.cluster is not None
-        self._wait_port_free(8080)
         say(
             f"operator: helm install baton charts/baton -n {OPERATOR_NS} (restricted namespace, "
             "on-demand node)"
