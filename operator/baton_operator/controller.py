@@ -62,11 +62,19 @@ def _now() -> datetime:
 
 
 def _last_commit_time(job: Mapping[str, Any], status: JobStatus) -> float:
-    """Unix time of the job's newest known commit; its creation time when it has none."""
+    """Unix time of the job's newest known commit; its creation time when it has none.
+
+    An attempt started by an unsuspend counts from its start when that is newer: the time the
+    job was suspended is no time without a checkpoint (``BatonNoRecentCheckpoint``).
+    """
     last = status.last_checkpoint
     when = parse_time(last.completed_at if last else None) or parse_time(
         (job.get("metadata") or {}).get("creationTimestamp")
     )
+    raw: Mapping[str, Any] = job.get("status") or {}
+    resumed = parse_time(raw.get("attemptStartedAt"))
+    if raw.get("restartReason") == "suspend" and resumed and (when is None or resumed > when):
+        when = resumed
     return (when or _now()).timestamp()
 
 
@@ -154,12 +162,17 @@ class Reconciler:
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not p.finished], now)
             return None
-        self._metrics.job_running(
-            namespace,
-            name,
-            failures_left=max(0, spec.max_failures - status.failures),
-            last_checkpoint=_last_commit_time(job, status),
-        )
+        if phase is Phase.SUSPENDED:
+            # Nothing runs: no checkpoint is due and no budget is being spent, so the job's
+            # gauges go as for a finished job (and are seeded again when it resumes).
+            self._metrics.job_finished(namespace, name)
+        else:
+            self._metrics.job_running(
+                namespace,
+                name,
+                failures_left=max(0, spec.max_failures - status.failures),
+                last_checkpoint=_last_commit_time(job, status),
+            )
         chosen = interval.recorded(job, status.attempt) if spec.auto_interval else None
         if chosen is not None:
             self._metrics.checkpoint_interval.labels(namespace, name).set(chosen)
@@ -590,7 +603,14 @@ class Reconciler:
             .phase(Phase.SUSPENDED)
             .condition("Ready", False, "Suspended", message)
             .condition("Suspended", True, "Suspended", message)
-            .set({"message": message, "masterAddr": None, "suspendedAt": iso(t.now)}),
+            .set(
+                {
+                    "message": message,
+                    "masterAddr": None,
+                    "restartReason": "suspend",
+                    "suspendedAt": iso(t.now),
+                }
+            ),
         )
         await self._event(t.job, "Normal", "Suspended", message)
 

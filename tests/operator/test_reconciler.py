@@ -862,9 +862,21 @@ def test_suspend_checkpoints_every_rank_first_then_stops_the_pods_and_resumes_th
     )
     assert sample("baton_preemptions_total", {"namespace": NS, "job": JOB}) == 0
     assert h.kube.pods == {}, "a suspended job creates no pods"
+    key = {"namespace": NS, "job": JOB}
+    # Nothing runs, so no checkpoint is overdue (BatonNoRecentCheckpoint) and no budget is
+    # being spent: the gauges go while the job is suspended.
+    assert sample("baton_last_checkpoint_timestamp_seconds", key) is None
+    assert sample("baton_failure_budget_remaining", key) is None
 
     _suspend(h, False)
+    resumed = datetime.now(tz=UTC).replace(microsecond=0)
     h.tick()
+    h.kube.status["lastCheckpoint"]["completedAt"] = "2026-01-01T00:00:00Z"  # long ago
+    h.reconciler.forget(NS, JOB)  # an operator that starts now seeds the gauges afresh
+    h.tick()
+    # The suspended hours are no time without a checkpoint: it counts from the resume.
+    assert sample("baton_last_checkpoint_timestamp_seconds", key) >= resumed.timestamp()
+    assert sample("baton_failure_budget_remaining", key) == 2
     status = h.kube.status
     assert status["phase"] == "Pending"
     assert (status["attempt"], status["resumedFromStep"]) == (1, 40)
