@@ -20,7 +20,7 @@ from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, unique
 
 pytestmark = pytest.mark.cluster
 
-STEPS = 30
+STEPS = 40
 EVERY = 5
 QUEUE = {"kueue.x-k8s.io/queue-name": "team-a", "kueue.x-k8s.io/priority-class": "low"}
 
@@ -78,14 +78,16 @@ def test_suspend_checkpoints_stops_every_pod_and_resumes_bitwise(
 ) -> None:
     job = unique("tj-suspend")
     out = baton.workdir / job
-    manifest = baton.job_manifest(job, steps=STEPS, every_steps=EVERY, sleep=0.25)
+    # 0.3 s a step: about 10 s of training left when the suspend is patched, so the save
+    # request always finds the ranks training, however loaded the machine.
+    manifest = baton.job_manifest(job, steps=STEPS, every_steps=EVERY, sleep=0.3)
     manifest["metadata"]["labels"] = dict(QUEUE)
     applied = baton.apply(manifest)
     assert applied.returncode == 0, applied.stderr
     watcher = PodWatcher(baton, job)
     baton.wait_phase(job, "Running", timeout=180)
     assert _kueue_problems(baton, job, 0) == [], baton.diagnostics(job)
-    baton.wait_steps(job, 7, timeout=120)
+    baton.wait_steps(job, 6, timeout=120)
 
     _suspend(baton, job, True)
     suspended = baton.wait_phase(job, "Suspended", timeout=120)
