@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from trainer_sdk._version import __version__
 
 if TYPE_CHECKING:
+    from trainer_sdk._memory_tier import promote as promote
     from trainer_sdk._types import RankLocal as RankLocal
     from trainer_sdk._types import Stateful as Stateful
     from trainer_sdk.api import LoadInfo as LoadInfo
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from trainer_sdk.api import load as load
     from trainer_sdk.api import save as save
     from trainer_sdk.checkpointer import Checkpointer as Checkpointer
+    from trainer_sdk.checkpointer import RestoreInfo as RestoreInfo
     from trainer_sdk.checkpointer import ResumeError as ResumeError
     from trainer_sdk.control import EXIT_STOPPED_AFTER_NOTICE as EXIT_STOPPED_AFTER_NOTICE
     from trainer_sdk.errors import BatonError as BatonError
@@ -77,6 +79,8 @@ _LAZY: dict[str, str] = {
     "UnreadableCheckpointError": "errors",
     "UnsupportedFormatError": "errors",
     "EXIT_STOPPED_AFTER_NOTICE": "control",
+    "promote": "_memory_tier",
+    "RestoreInfo": "checkpointer",
 }
 
 __all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the lazy names are all str

@@ -47,6 +47,8 @@ ENV_VARS: Final[dict[str, tuple[str, type[Any]]]] = {
     "BATON_EVERY_SECONDS": ("every_seconds", float),
     "BATON_KEEP_LAST": ("keep_last", int),
     "BATON_CONTROL_DIR": ("control_dir", str),
+    "BATON_FAST_EVERY_STEPS": ("fast_every_steps", int),
+    "BATON_FAST_DIR": ("fast_dir", str),
 }
 """Environment overrides of :class:`CheckpointerConfig` fields: variable -> (field, type)."""
 
@@ -92,6 +94,13 @@ class CheckpointerConfig:
     (True, logged as an error) or raise :class:`ResumeError` (False)."""
     probe_bytes: int = 8 << 20
     """Size of the probe write that calibrates the save-time estimate before the first save."""
+    fast_every_steps: int | None = None
+    """Snapshot the whole state into ``fast_dir`` (the memory tier) when
+    ``step % fast_every_steps == 0``; ``None``: no snapshots. 1 loses at most one step to a
+    node lost without notice; each snapshot costs the step one copy of the state."""
+    fast_dir: str | None = None
+    """The memory tier's directory: an ``emptyDir`` with ``medium: Memory``, one per pod.
+    Restore considers its snapshots even when ``fast_every_steps`` is ``None``."""
 
     @classmethod
     def from_env(
@@ -112,7 +121,7 @@ class CheckpointerConfig:
             if value is not None:
                 kwargs[name] = value
         for name, value in overrides.items():
-            if value is None or (name in ("uri", "control_dir") and not value):
+            if value is None or (name in ("uri", "control_dir", "fast_dir") and not value):
                 continue
             kwargs[name] = value
         timeout = kwargs.get("timeout")
@@ -143,5 +152,15 @@ class CheckpointerConfig:
             )
         if self.deadline_margin < 0:
             raise CheckpointError("deadline_margin must be >= 0 seconds")
+        if self.fast_every_steps is not None and self.fast_every_steps < 1:
+            raise CheckpointError(
+                f"fast_every_steps={self.fast_every_steps}: use a positive number, or None for "
+                "no memory-tier snapshots"
+            )
+        if self.fast_every_steps is not None and not self.fast_dir:
+            raise CheckpointError(
+                f"fast_every_steps={self.fast_every_steps} needs fast_dir (or $BATON_FAST_DIR): "
+                "the directory of the memory tier, an emptyDir with medium: Memory"
+            )
         if self.accumulation_steps is not None and self.accumulation_steps < 1:
             raise CheckpointError("accumulation_steps must be >= 1 (or None if not declared)")

@@ -55,6 +55,7 @@ from trainer_sdk.storage import Storage
 __all__ = [
     "RankRecord",
     "SaveInfo",
+    "build_manifest",
     "check_writable",
     "commit",
     "commit_failure",
@@ -263,9 +264,11 @@ def _superseded(storage: Storage, step: int, attempt: int, newest: int) -> Super
     )
 
 
-def _build_manifest(
+def build_manifest(
     records: list[dict[str, Any]], *, step: int, trigger: str, block_size: int, extra: Any
 ) -> Manifest:
+    """The manifest of ``step`` from every rank's record (in rank order), without an attempt
+    (the committer sets it). Every rank can build it; :func:`commit` and the memory tier do."""
     world = len(records)
     files: dict[str, FileEntry] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -358,7 +361,7 @@ def commit(
             "dtypes or shapes differ between ranks). Plain tensors must be the same on every "
             "rank; wrap per-rank values in trainer_sdk.RankLocal."
         )
-    manifest = _build_manifest(
+    manifest = build_manifest(
         records, step=step, trigger=trigger, block_size=block_size, extra=dict(extra or {})
     )
     outcome: dict[str, Any] = {"ok": True}

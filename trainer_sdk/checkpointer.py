@@ -46,6 +46,7 @@ from trainer_sdk import _catalog, api
 from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk._memory_tier import DURABLE, MEMORY, MemoryTier, RestoreInfo
 from trainer_sdk._notices import NoticeServer, StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
 from trainer_sdk.control import ROUTINE_TRIGGERS, ControlChannel, State, Trigger
@@ -69,7 +70,7 @@ from trainer_sdk.signals import (
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Location, Storage, open_storage
 
-__all__ = ["Checkpointer", "CheckpointerConfig", "ResumeError"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "RestoreInfo", "ResumeError"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
 
@@ -121,6 +122,8 @@ class Checkpointer:
         accumulation_steps: int | None = None,
         resume_fallback: bool = True,
         probe_bytes: int = 8 << 20,
+        fast_every_steps: int | None = None,
+        fast_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         storage: Storage | None = None
         given: str | None = None
@@ -144,6 +147,8 @@ class Checkpointer:
             accumulation_steps=accumulation_steps,
             resume_fallback=resume_fallback,
             probe_bytes=probe_bytes,
+            fast_every_steps=fast_every_steps,
+            fast_dir=os.fspath(fast_dir) if fast_dir else None,
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -170,6 +175,19 @@ class Checkpointer:
         self._saver: AsyncSaver | None = (
             AsyncSaver(timeout=self.config.timeout) if self.config.async_save else None
         )
+        # The memory tier has its own writer, buffers and group (built next, by every rank in
+        # the same order), so that it never waits for the durable saver or delays it.
+        self._fast: MemoryTier | None = (
+            MemoryTier(
+                self.config.fast_dir,
+                every_steps=self.config.fast_every_steps,
+                local_rank=self.local_rank,
+                timeout=self.config.timeout,
+            )
+            if self.config.fast_dir
+            else None
+        )
+        self._restored = RestoreInfo(step=0, tier=None, uri=None)
 
         self._sigterm = SigtermListener() if handle_sigterm else None
         if self._sigterm is not None:
@@ -226,22 +244,44 @@ class Checkpointer:
         expected = env_number("BATON_RESUME_STEP", int)
         self._register_attempt()
         steps = self._agreed_steps()
+        snapshots = self._agreed_snapshots() if self._fast is not None else []
         if not self._estimator.measured:
             self._probe()
+        # Newest first; at the same step the memory tier first (it is faster to read).
+        candidates: list[tuple[int, str]] = sorted(
+            [(s, DURABLE) for s in steps] + [(s, MEMORY) for s in snapshots],
+            key=lambda c: (c[0], c[1] == MEMORY),
+            reverse=True,
+        )
         loaded: int | None = None
-        for candidate in sorted(steps, reverse=True):
+        tier: str | None = None
+        root = self.config.uri
+        for candidate, where in candidates:
+            storage = self.storage if where == DURABLE or self._fast is None else self._fast.storage
+            root = self.config.uri if where == DURABLE else storage.uri
             error: BaseException | None = None
             verdict = _LOAD_OK
             try:
-                self._load(candidate)
+                self._load(candidate, storage)
             except ResumeError as e:
                 error, verdict = e, _LOAD_FATAL
             except Exception as e:
                 error, verdict = e, _VERDICTS[api.classify_load_error(e)]
             verdict, who = self._worst(verdict, candidate)
             if verdict == _LOAD_OK:
-                loaded = candidate
+                loaded, tier = candidate, where
                 break
+            if where == MEMORY and verdict != _LOAD_FATAL:
+                # The durable tier is the ground truth: a snapshot that cannot be read is
+                # never a reason to stop, whatever the cause.
+                log.warning(
+                    "the memory snapshot of step %d under %s could not be loaded (%s); "
+                    "trying the next newest step (of either tier)",
+                    candidate,
+                    root,
+                    error if error is not None else f"rank {who} failed to load it",
+                )
+                continue
             if verdict == _LOAD_SKIP:
                 log.debug("step %d has no manifest (a save that never committed)", candidate)
                 continue
@@ -249,7 +289,7 @@ class Checkpointer:
                 if isinstance(error, UnreadableCheckpointError):
                     raise error
                 raise UnreadableCheckpointError(
-                    f"checkpoint step {candidate} under {self.config.uri} cannot be read now or "
+                    f"checkpoint step {candidate} under {root} cannot be read now or "
                     f"by this version on rank {who}: "
                     f"{error or 'see that rank' + chr(39) + 's log'}. It was left intact and "
                     "no older step was loaded (that would lose every step since): fix the "
@@ -263,7 +303,7 @@ class Checkpointer:
                 if isinstance(error, ResumeError):
                     raise error
                 raise ResumeError(
-                    f"checkpoint step {candidate} under {self.config.uri} cannot be loaded into "
+                    f"checkpoint step {candidate} under {root} cannot be loaded into "
                     f"this run: {error or f'rank {who} failed to load it (see its log)'}. The "
                     "checkpoint is left intact: build the model, optimizer, scheduler, sampler "
                     "and extra state like the run that saved it, or start a new run under "
@@ -292,14 +332,18 @@ class Checkpointer:
                 expected,
                 loaded,
             )
+        if self._fast is not None:
+            self._clear_snapshots(keep=loaded if tier == MEMORY else None)
         if loaded is None:
             log.info("no checkpoint under %s: starting from step 0", self.config.uri)
             return 0
-        log.info("resumed from step %d of %s", loaded, self.config.uri)
+        log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
+        self._restored = RestoreInfo(step=loaded, tier=tier, uri=root)
         self._last_saved_step = loaded
-        self._last_committed = loaded
         self._last_save_time = self._clock()
-        self._reporter.update(last_committed_step=loaded)
+        if tier == DURABLE:
+            self._last_committed = loaded
+            self._reporter.update(last_committed_step=loaded)
         return loaded
 
     def step(self, step: int) -> bool:
@@ -331,8 +375,18 @@ class Checkpointer:
         periodic = (
             self.config.every_steps is not None and step % self.config.every_steps == 0
         ) or (agreement is not None and agreement.periodic_due)
+        snapshot = self._fast is not None and self._fast.due(step)
+        prepared = self._prepare(step) if periodic and snapshot else None
         if periodic and step != self._last_saved_step:
-            self._save(step, trigger=Trigger.PERIODIC, background=self.config.async_save)
+            self._save(
+                step,
+                trigger=Trigger.PERIODIC,
+                background=self.config.async_save,
+                prepared=prepared,
+            )
+        if snapshot:
+            # After the durable save of the same step, so that it never waits for this one.
+            self._snapshot(step, prepared)
         if overlap:
             # Last, after any save: what this rank knows now goes to every rank during the
             # next step, and every rank acts on it at the next boundary.
@@ -373,9 +427,17 @@ class Checkpointer:
         return self._last_committed
 
     def wait(self) -> None:
-        """Wait for a background save in flight; raise its failure."""
+        """Wait for a background save and a memory-tier snapshot in flight; raise a failure."""
         if self._saver is not None:
             self._drain()
+        if self._fast is not None:
+            self._fast.wait()
+
+    @property
+    def restored(self) -> RestoreInfo:
+        """What the last ``restore()`` loaded: the step, and the tier it came from
+        (``"memory"``: the snapshot in ``fast_dir``; ``"durable"``: the checkpoint uri)."""
+        return self._restored
 
     def close(self) -> None:
         """Drain the background save (raising its failure) and restore the SIGTERM handler."""
@@ -390,6 +452,8 @@ class Checkpointer:
                 finally:
                     self._saver.close()
         finally:
+            if self._fast is not None:
+                self._fast.close()
             if self._sigterm is not None:
                 self._sigterm.uninstall()
 
@@ -426,11 +490,11 @@ class Checkpointer:
         """The extra objects this Checkpointer saves and restores."""
         return self._objects.extra
 
-    def _load(self, step: int) -> None:
+    def _load(self, step: int, storage: Storage) -> None:
         state = self._objects.build(step)
         info = api.load(
             state,
-            self.storage.uri,
+            storage,
             step=step,
             process_group=self._group,
             timeout=self.config.timeout.total_seconds(),
@@ -491,6 +555,14 @@ class Checkpointer:
         self._resume_note = None
         self._after_commit(info, plan.nbytes)
         return info
+
+    def _snapshot(self, step: int, prepared: tuple[api.FlatState, api.SavePlan] | None) -> None:
+        """Stage ``step`` into the memory tier; its write and commit run in the background."""
+        assert self._fast is not None
+        self._register_attempt()
+        flat, plan = prepared or self._prepare(step)
+        handle = self._fast.snapshot(step, flat, plan, attempt=self._attempt)
+        log.debug("memory snapshot of step %d staged in %.3fs", step, handle.stage_seconds)
 
     def _notice_server(self) -> NoticeServer:
         """Built when a notice is served, not kept: it holds this Checkpointer's methods, and a
@@ -671,6 +743,72 @@ class Checkpointer:
                 what="restore: listing the checkpoints",
             )
         ]
+
+    def _agreed_snapshots(self) -> list[int]:
+        """The memory-tier snapshots that every rank can load, newest first; bounded. A rank
+        that cannot load the newest one (its pod was replaced, its emptyDir is empty, a file
+        is missing) holds the whole group to an older step, or to the durable tier."""
+        assert self._fast is not None
+        ok, why = self._fast.local_steps()
+        mine: list[Any] = [ok, {str(s): r for s, r in why.items()}]
+        raw = (
+            [mine]
+            if self._group is None
+            else all_gather_json(
+                mine,
+                group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+                what="restore: listing the memory snapshots",
+            )
+        )
+        loadable = [{int(s) for s in view[0]} for view in raw]
+        reasons: list[dict[str, str]] = [dict(view[1]) for view in raw]
+        common = set.intersection(*loadable)
+        newest = max(set.union(*loadable), default=None)
+        if self.rank == 0 and newest is not None and newest not in common:
+            lacking = [
+                f"rank {r} ({reasons[r].get(str(newest), 'no such snapshot')})"
+                for r, have in enumerate(loadable)
+                if newest not in have
+            ]
+            log.warning(
+                "the memory snapshot of step %d cannot be loaded by %s: the group restores from "
+                "the newest step every rank can load (%s)",
+                newest,
+                ", ".join(lacking),
+                f"memory snapshot {max(common)}, or a newer durable step"
+                if common
+                else "a durable checkpoint",
+            )
+        return sorted(common, reverse=True)
+
+    def _clear_snapshots(self, *, keep: int | None) -> None:
+        """After a restore: delete the snapshots of a run that is gone (every one but ``keep``),
+        then wait for every rank, so that no new snapshot starts before its step is free."""
+        assert self._fast is not None
+        error: str | None = None
+        try:
+            self._fast.clear(keep=keep)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        errors = (
+            [error]
+            if self._group is None
+            else all_gather_json(
+                error,
+                group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+                what="restore: clearing old memory snapshots",
+            )
+        )
+        failed = {r: e for r, e in enumerate(errors) if e is not None}
+        if failed:
+            r = min(failed)
+            raise CheckpointError(
+                f"rank {r} could not delete old memory snapshots under {self._fast.uri}: "
+                f"{failed[r]}. A new snapshot of their step would be refused; check the "
+                "directory's permissions, or empty it and restart"
+            )
 
     def _worst(self, verdict: int, step: int) -> tuple[int, int]:
         """The worst load verdict of all ranks and the first rank that has it; bounded."""

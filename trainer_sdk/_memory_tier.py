@@ -1,0 +1,369 @@
+"""The memory tier: a snapshot of the whole training state every few steps, in the pod's memory.
+
+A durable save to object storage is too slow to take every step, so a node lost without
+notice costs every step since the last one. The memory tier closes that gap: every
+``fast_every_steps`` steps each rank writes its share of the state into ``fast_dir`` (an
+``emptyDir`` with ``medium: Memory`` in Kubernetes, shared by the processes of one pod) in the
+*same* format v1 layout as the durable tier: shards, JSON files, and a ``manifest.json``
+written last as the commit marker. So a snapshot is read by the ordinary loader, and
+:func:`trainer_sdk.promote` copies one to durable storage unchanged.
+
+Who calls what, and in which order (every rank alike, at the same step):
+
+* ``Checkpointer.step`` calls :meth:`MemoryTier.snapshot` after any durable save of that
+  step. It waits for the previous snapshot's write (normally long finished), copies the state
+  into this tier's own host buffers (pinned when the state is on a GPU: the async staging path
+  of :mod:`trainer_sdk.staging`) and returns; that copy is all a snapshot costs the step.
+* The tier's worker thread (its own thread, buffers and gloo group, at lower CPU priority)
+  writes this rank's files, gathers every rank's record, and then each pod's first process
+  (``LOCAL_RANK`` 0) writes the manifest into its ``fast_dir``; a last gather tells every rank
+  that every pod committed. Only then are older snapshots deleted: at most the newest complete
+  snapshot and the one being written exist, and a snapshot cut short (a killed process, a
+  full ``emptyDir``) has no manifest and is never read.
+* ``Checkpointer.restore`` asks :func:`complete_steps` on every rank, keeps the steps every
+  rank can load, and tries them with the durable steps, newest first (see ``restore``).
+
+The durable tier never waits for this one: a durable or notice save does not wait for a
+snapshot in flight (they use other threads, buffers and process groups), and the snapshot
+writer yields the CPU to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+
+from trainer_sdk import _catalog, api
+from trainer_sdk._collectives import all_gather_json, group_rank_world
+from trainer_sdk._saving import _update_latest, build_manifest, check_writable, write_rank
+from trainer_sdk.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    RankFailedError,
+)
+from trainer_sdk.layout import (
+    BLOCK_SIZE,
+    Manifest,
+    file_path,
+    new_hasher,
+    parse_step_dir,
+    step_dir,
+)
+from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
+from trainer_sdk.storage import Location, Storage, open_storage
+
+__all__ = [
+    "DURABLE",
+    "MEMORY",
+    "TRIGGER",
+    "MemoryTier",
+    "RestoreInfo",
+    "complete_steps",
+    "promote",
+]
+
+log = logging.getLogger("trainer_sdk.memory_tier")
+
+MEMORY: Final = "memory"
+"""The tier name of a load from (or a commit to) ``fast_dir``."""
+DURABLE: Final = "durable"
+"""The tier name of a load from the checkpoint uri."""
+TRIGGER: Final = "memory"
+"""The ``trigger`` a snapshot's manifest records (kept when it is promoted)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RestoreInfo:
+    """What ``Checkpointer.restore`` loaded (``Checkpointer.restored``)."""
+
+    step: int
+    """The step loaded; 0 when there was none."""
+    tier: str | None
+    """``"memory"`` (the snapshot in ``fast_dir``), ``"durable"`` (the checkpoint uri), or
+    ``None`` when nothing was loaded."""
+    uri: str | None
+    """The root the step was read from."""
+
+
+def _missing(storage: Storage, step: int) -> str | None:
+    """Why ``step`` under ``storage`` cannot be loaded from here, or None when it can: a valid
+    manifest and every file it lists, at its size."""
+    try:
+        manifest = _catalog.read_manifest(storage, step)
+    except IncompleteCheckpointError:
+        return "no manifest (never committed)"
+    except CheckpointError as e:
+        return f"its manifest is bad: {e}"
+    for name, entry in manifest.files.items():
+        try:
+            size = storage.size(file_path(step, name))
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as e:
+            return f"{name} cannot be read: {e}"
+        if size != entry.size:
+            return f"{name} has {size} bytes, the manifest says {entry.size}"
+    return None
+
+
+def complete_steps(storage: Storage) -> tuple[list[int], dict[int, str]]:
+    """Snapshots under ``storage`` that this process can load (newest first), and why each
+    other step directory cannot be loaded."""
+    ok: list[int] = []
+    why: dict[int, str] = {}
+    for name in reversed(storage.list_dir("")):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        reason = _missing(storage, step)
+        if reason is None:
+            ok.append(step)
+        else:
+            why[step] = reason
+    return ok, why
+
+
+def _error_json(rank: int, err: BaseException) -> dict[str, Any]:
+    return {"ok": False, "rank": rank, "error": f"{type(err).__name__}: {err}"}
+
+
+class MemoryTier:
+    """One rank's side of the memory tier: writes snapshots to ``fast_dir``, lists them.
+
+    Build it on every rank at the same point (it creates a gloo process group collectively,
+    for the writer's collectives). ``local_rank`` 0 writes each manifest into its pod's
+    ``fast_dir`` and deletes older snapshots there.
+    """
+
+    def __init__(
+        self, fast_dir: str, *, every_steps: int | None, local_rank: int, timeout: timedelta
+    ) -> None:
+        if "://" in fast_dir and not fast_dir.startswith("file://"):
+            raise CheckpointError(
+                f"fast_dir={fast_dir!r}: the memory tier is a local directory (an emptyDir "
+                "with medium: Memory in Kubernetes); use a path, and put durable checkpoints "
+                "under the checkpoint uri"
+            )
+        os.makedirs(fast_dir.removeprefix("file://"), exist_ok=True)
+        self.storage: Storage = open_storage(fast_dir)
+        self.every_steps = every_steps
+        self.local_rank = local_rank
+        self.saver = AsyncSaver(timeout=timeout)
+        self.rank, self.world = group_rank_world(self.saver.group)
+        self.last_committed: int | None = None
+        """The newest snapshot this process committed."""
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a snapshot step."""
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def snapshot(
+        self,
+        step: int,
+        flat: api.FlatState,
+        plan: api.SavePlan,
+        *,
+        attempt: int | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> AsyncSaveHandle[int]:
+        """Stage ``step`` and write it in the background; returns after the copy.
+
+        Waits for the previous snapshot first: if it failed, raises :class:`CheckpointError`
+        (on every rank: its collectives told every rank)."""
+        try:
+            self.saver.wait_previous()
+        except BaseException as e:
+            raise CheckpointError(
+                f"a memory-tier snapshot failed: {e}. Durable checkpoints are unaffected. If "
+                f"{self.uri} is full, raise the emptyDir's sizeLimit (and the pod's memory "
+                "request) to 2x the state's size per pod (docs/checkpointer.md, 'The memory "
+                "tier'), or turn the tier off (fast_every_steps=None)"
+            ) from e
+        live = flat.tensors()
+        to_stage = {k: live[k] for k in flat.entries if k in plan.keys}
+
+        def work(staged: dict[str, torch.Tensor], tree: Any) -> int:
+            return self._write(step, plan, staged, tree, flat, attempt=attempt, extra=extra)
+
+        return self.saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
+
+    def _write(
+        self,
+        step: int,
+        plan: api.SavePlan,
+        staged: Mapping[str, torch.Tensor],
+        tree: Any,
+        flat: api.FlatState,
+        *,
+        attempt: int | None,
+        extra: Mapping[str, Any] | None,
+    ) -> int:
+        """The worker thread's part: files, records, manifest, then older snapshots go."""
+        t0 = time.perf_counter()
+        group = self.saver.group
+        timeout = self.saver.timeout.total_seconds()
+        own: dict[str, Any]
+        try:
+            own = write_rank(self.storage, plan, staged, tree, step=step, flat=flat).to_json()
+        except Exception as e:
+            if self.world == 1:
+                raise
+            own = _error_json(self.rank, e)
+        records: list[dict[str, Any]] = all_gather_json(
+            own, group=group, timeout=timeout, what=f"memory snapshot of step {step}"
+        )
+        self._raise_failures(records, step, "writing its files")
+        manifest = build_manifest(
+            records, step=step, trigger=TRIGGER, block_size=BLOCK_SIZE, extra=dict(extra or {})
+        )
+        manifest = dataclasses.replace(manifest, attempt=attempt or 0)
+        outcome: dict[str, Any] = {"ok": True}
+        if self.local_rank == 0:
+            try:
+                data = manifest.to_json_bytes()
+                Manifest.parse(data, step=step)  # never commit what readers would refuse
+                self.storage.create_exclusive(_catalog.manifest_key(step), data)
+            except Exception as e:
+                if self.world == 1:
+                    raise
+                outcome = _error_json(self.rank, e)
+        if self.world > 1:
+            outcomes = all_gather_json(
+                outcome, group=group, timeout=timeout, what=f"memory snapshot of step {step}"
+            )
+            self._raise_failures(outcomes, step, "writing the manifest")
+        self.last_committed = step
+        if self.local_rank == 0:
+            self._delete_older(step)
+        log.debug("memory snapshot of step %d in %.3fs", step, time.perf_counter() - t0)
+        return step
+
+    def _raise_failures(self, outcomes: list[dict[str, Any]], step: int, what: str) -> None:
+        failures = {r: str(o.get("error")) for r, o in enumerate(outcomes) if not o.get("ok")}
+        if failures:
+            first = min(failures)
+            raise RankFailedError(
+                rank=first,
+                cause=f"{what}: {failures[first]}",
+                failures=failures,
+                what=f"memory snapshot of step {step}",
+            )
+
+    def _delete_older(self, committed: int) -> None:
+        """Delete every snapshot directory older than ``committed`` (complete or not)."""
+        for name in self.storage.list_dir(""):
+            old = parse_step_dir(name)
+            if old is not None and old < committed:
+                try:
+                    self.storage.delete_tree(step_dir(old))
+                except OSError as e:  # tidying only; the next commit retries
+                    log.warning("could not delete memory snapshot %s/%s: %s", self.uri, name, e)
+
+    def local_steps(self) -> tuple[list[int], dict[int, str]]:
+        """Snapshots this process can load (newest first), and why others cannot."""
+        return complete_steps(self.storage)
+
+    def clear(self, *, keep: int | None) -> None:
+        """Delete every snapshot but ``keep`` (``LOCAL_RANK`` 0 only): after a restore, newer
+        snapshots are from a run that is gone, and a new snapshot of their step must not
+        find them."""
+        if self.local_rank != 0:
+            return
+        for name in self.storage.list_dir(""):
+            step = parse_step_dir(name)
+            if step is not None and step != keep:
+                self.storage.delete_tree(step_dir(step))
+
+    def wait(self) -> None:
+        """Wait for the snapshot in flight; raise its failure."""
+        self.saver.wait_previous()
+
+    def close(self) -> None:
+        """Wait for the snapshot in flight (a failure is logged: the durable tier is what a
+        closing run relies on) and stop the writer."""
+        try:
+            self.saver.close()
+        except Exception as e:
+            log.warning("rank %d: the last memory snapshot failed: %s", self.rank, e)
+
+
+_COPY_CHUNK: Final = 8 << 20
+"""Bytes copied (and hashed) at a time by :func:`promote`: its memory is bounded by this."""
+
+
+def promote(fast_dir: Location, uri: Location, *, step: int) -> int:
+    """Copy the complete memory snapshot of ``step`` from ``fast_dir`` to the durable ``uri``,
+    unchanged; return the bytes copied (0 when it was already promoted).
+
+    Every file is checked against the manifest's digest while it is copied (a snapshot that
+    went bad in memory is refused, never made durable) and the manifest is written last,
+    exclusively: the durable step is complete, or absent. Run it on one process that sees the
+    whole snapshot (``fast_dir`` of a pod holds its own ranks' files). Refused, with nothing
+    written, when the snapshot is incomplete, when ``step`` is already committed under ``uri``
+    with another manifest, or when a newer attempt of the job writes there (fencing).
+    """
+    src = open_storage(fast_dir)
+    dst = open_storage(uri)
+    reason = _missing(src, step)
+    if reason is not None:
+        raise IncompleteCheckpointError(
+            f"the memory snapshot of step {step} under {src.uri} cannot be promoted: {reason}. "
+            "Promote a complete snapshot (trainer_sdk.list_steps lists them)"
+        )
+    key = _catalog.manifest_key(step)
+    data = src.read_bytes(key)
+    manifest = Manifest.parse(data, step=step)
+    if dst.exists(key):
+        if dst.read_bytes(key) == data:
+            return 0
+        raise CheckpointError(
+            f"step {step} is already committed under {dst.uri} by another save; the memory "
+            "snapshot was not promoted and nothing was overwritten"
+        )
+    check_writable(dst, step, manifest.attempt)
+    copied = 0
+    buf = bytearray(_COPY_CHUNK)
+    for name, entry in manifest.files.items():
+        path = file_path(step, name)
+        algorithm, want = entry.digest
+        hasher = new_hasher(algorithm)
+        writer = dst.open_writer(path, size_hint=entry.size)
+        try:
+            offset = 0
+            while offset < entry.size:
+                view = memoryview(buf)[: min(_COPY_CHUNK, entry.size - offset)]
+                src.read_into(path, offset, view)
+                hasher.update(view)
+                writer.write(bytes(view))
+                offset += len(view)
+            if hasher.hexdigest() != want:
+                raise CorruptCheckpointError(
+                    f"{algorithm} differs from the manifest's: the memory snapshot of step "
+                    f"{step} is corrupt and was not promoted",
+                    path=f"{src.uri}/{path}",
+                )
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        copied += entry.size
+    dst.create_exclusive(key, data)  # the commit marker, last
+    try:
+        _update_latest(dst, step)
+    except Exception as e:  # committed; latest is only a hint
+        log.warning("promoted step %d to %s, but moving 'latest' failed: %s", step, dst.uri, e)
+    log.info("promoted memory snapshot of step %d to %s (%d bytes)", step, dst.uri, copied)
+    return copied + len(data)
