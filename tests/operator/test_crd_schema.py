@@ -244,6 +244,7 @@ def test_status_declares_every_field_the_operator_writes() -> None:
         "message",
         "stepsLost",
         "checkpointInterval",
+        "suspendedAt",
     ):
         assert name in status, f"status.{name} would be pruned by the API server"
     assert set(status["lastCheckpoint"]["properties"]) == {
@@ -254,6 +255,15 @@ def test_status_declares_every_field_the_operator_writes() -> None:
         "seconds",
     }
     assert status["phase"]["enum"] == list(crd.PHASES)
+
+
+def test_suspend_is_a_mutable_boolean_that_defaults_to_false() -> None:
+    schema = _schema()
+    suspend = schema["properties"]["spec"]["properties"]["suspend"]
+    assert (suspend["type"], suspend["default"]) == ("boolean", False)
+    assert "Suspended" in crd.PHASES
+    immutable = " ".join(r["rule"] for r in schema["x-kubernetes-validations"])
+    assert "suspend" not in immutable, "Kueue flips spec.suspend on a running job"
 
 
 def test_names_columns_and_subresources() -> None:
