@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from .errors import BatonOperatorError, KubeError
 from .kube import Permission
@@ -47,6 +48,11 @@ from .kube import Permission
 __all__ = ["PERMISSIONS", "LeaderElector", "LeadershipLostError", "LeaseClient", "LeaseTimings"]
 
 _log = logging.getLogger(__name__)
+
+# No answer from the API server: a refused connection or a timeout is an OSError, or, once
+# the client's retries are spent, urllib3's MaxRetryError (not an OSError). A standby must
+# keep retrying through either, not exit.
+_NO_ANSWER: Final = (OSError, Urllib3Error)
 
 GROUP: Final = "coordination.k8s.io"
 PERMISSIONS: Final = frozenset(
@@ -101,7 +107,7 @@ class LeaseClient:
             if e.status == 404:
                 return None
             raise KubeError(f"reading {self._what()}: HTTP {e.status}", status=e.status) from e
-        except OSError as e:  # urllib3's timeouts and refused connections are OSErrors
+        except _NO_ANSWER as e:
             raise KubeError(f"reading {self._what()}: {type(e).__name__}") from e
         lease: dict[str, Any] = json.loads(resp.data)
         return lease
@@ -120,7 +126,7 @@ class LeaseClient:
             if e.status == 409:
                 return False
             raise KubeError(f"{doing} {self._what()}: HTTP {e.status}", status=e.status) from e
-        except OSError as e:
+        except _NO_ANSWER as e:
             raise KubeError(f"{doing} {self._what()}: {type(e).__name__}") from e
         return True
 
