@@ -16,7 +16,8 @@ This module only sequences: the decisions are pure functions in ``lifecycle`` (p
 budgets, verdicts, deadlines), ``pods`` (notices, deletes, rank views), ``reports`` (what a
 sidecar's answer means) and ``jobstatus`` (status parsing and patches). The Node watch's
 state comes through :class:`ClusterView`; starting a job and creating its objects is
-``creating.py``, and the guarded writes are ``writing.py``.
+``creating.py``, carrying out ``spec.suspend`` is ``suspending.py``, and the guarded writes are
+``writing.py``.
 
 At about 600 lines it is one state machine's sequencing (one method per phase, the notice
 path, the sidecar polls); splitting it further would scatter a tick across files.
@@ -35,7 +36,7 @@ from .creating import Creator
 from .errors import KubeConflictError, KubeError, SidecarUnreachableError
 from .jobstatus import JobStatus, iso
 from .kube import Kube
-from .lifecycle import SUSPEND_SOURCE, Outcome, Phase, RankView, Verdict, VerdictKind
+from .lifecycle import SUSPEND_SOURCE, Outcome, Phase, RankView, VerdictKind
 from .metrics import Metrics
 from .model import JobSpec, LastCheckpoint
 from .nodes import ClusterView
@@ -44,6 +45,7 @@ from .pods import PodView, delete_grace, notice_for, noticed_nodes, rank_view
 from .reports import SidecarStatus
 from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient
+from .suspending import Suspender
 from .tick import JobMemory, Tick
 from .vocabulary import Trigger
 from .writing import EventPoster, StatusWriter
@@ -104,6 +106,10 @@ class Reconciler:
         self._patch = writer.patch
         self._event = writer.event
         self._creator = Creator(kube=kube, config=config, token_for=token_for, writer=writer)
+        self._suspender = Suspender(
+            config=config, metrics=metrics, writer=writer, creator=self._creator,
+            restart=self._restart, hint=self._hint, delete_pods=self._delete_pods,
+        )  # fmt: skip
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop counting it and drop its metric series."""
@@ -182,11 +188,11 @@ class Reconciler:
         t.current = {p.rank: p for p in pods if p.attempt == status.attempt}
         stale = [p for p in pods if p.attempt != status.attempt]
         if phase is Phase.SUSPENDED:
-            await self._suspended(t, pods)
+            await self._suspender.suspended(t, pods)
             return tick
         if phase is Phase.RESTARTING:
             if spec.suspend:
-                await self._suspend_idle(t, "spec.suspend is true before the attempt started")
+                await self._suspender.idle(t, "spec.suspend is true before the attempt started")
                 return tick
             await self._restarting(t, stale)
             return tick
@@ -199,7 +205,7 @@ class Reconciler:
             # A sidecar lives only a moment after its trainer stops: poll it often.
             return min(tick, 0.25)
         if spec.suspend:
-            await self._begin_suspend(t, phase)
+            await self._suspender.begin(t, phase)
             return 0.0 if phase is Phase.RUNNING else tick
         await self._creator.ensure_pods(t, status, replicas=replicas)
         notice = notice_for(t.current.values(), self._cluster, now=now,
@@ -447,7 +453,7 @@ class Reconciler:
         # the pods stop and stay stopped (no preemption is counted).
         suspending = source == SUSPEND_SOURCE or spec.suspend
         if suspending:
-            await self._end_suspend_save(t, verdict)
+            await self._suspender.end_save(t, verdict)
             return
         if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
             checkpoint = LastCheckpoint(
@@ -499,154 +505,6 @@ class Reconciler:
             t, kind="preemption", resume_step=best, detail=f"{source} notice, {verdict.reason}",
             extra=extra,
         )  # fmt: skip
-
-    # ----------------------------------------------------------------- suspend (Kueue)
-
-    async def _begin_suspend(self, t: Tick, phase: Phase) -> None:
-        """``spec.suspend`` is true on a Pending or Running attempt.
-
-        Running: every rank is asked for a checkpoint first, as for a notice (the same status
-        record, requests, deadline and verdict in ``_checkpointing``), and the pods stop after
-        it. Pending: nothing has trained since the last commit, so the pods stop at once.
-        """
-        status, now = t.status, t.now
-        if phase is not Phase.RUNNING:
-            if not t.current:
-                await self._suspend_idle(t, "spec.suspend is true before any pod was created")
-                return
-            await self._restart(
-                t, kind="suspend", resume_step=status.resume_step,
-                detail="spec.suspend is true before the attempt was running",
-            )  # fmt: skip
-            return
-        deadline = lifecycle.clamp_deadline(
-            now + timedelta(seconds=self._config.suspend_save_seconds), now=now,
-            least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
-        )  # fmt: skip
-        message = (
-            f"spec.suspend is true: asking all {len(t.current)} ranks to checkpoint before "
-            f"{iso(deadline)}, then stopping the pods"
-        )
-        record = {
-            "source": SUSPEND_SOURCE,
-            "nodes": [],
-            "reason": "spec.suspend is true",
-            "deadline": iso(deadline),
-            "receivedAt": iso(now),
-        }
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.CHECKPOINTING)
-            .condition("Checkpointing", True, "Suspend", message)
-            .set({"notice": record, "message": message}),
-        )
-        await self._hint(t, list(t.current.values()), Phase.CHECKPOINTING)
-        await self._event(t.job, "Normal", "Suspending", message)
-
-    async def _end_suspend_save(self, t: Tick, verdict: Verdict) -> None:
-        """The suspend's save committed or failed: stop the pods either way (the queue wants
-        its quota back), recording the step the job will resume from."""
-        spec, status, now = t.spec, t.status, t.now
-        if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
-            checkpoint = LastCheckpoint(
-                step=verdict.step,
-                uri=verdict.uri or spec.checkpoint_uri,
-                trigger=Trigger.NOTICE.value,
-                completed_at=iso(now),
-                seconds=verdict.seconds,
-            )
-            self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
-            await self._event(
-                t.job, "Normal", "CheckpointCommitted",
-                f"all {len(t.views)} ranks committed step {verdict.step}; suspending",
-            )  # fmt: skip
-            await self._restart(
-                t, kind="suspend", resume_step=verdict.step,
-                detail=f"stopped at step {verdict.step}, its checkpoint committed",
-                extra={"lastCheckpoint": checkpoint.to_status()},
-            )  # fmt: skip
-            return
-        last = status.last_checkpoint
-        best = reports.fallback_step(last, t.memory.reports.values())
-        step = "no step was committed yet" if best is None else f"the last committed step is {best}"
-        message = (
-            f"the suspend's checkpoint did not complete ({verdict.reason}); the pods are "
-            f"stopped anyway and {step}: the job resumes from "
-            + ("the start" if best is None else "it (or from a newer step committed unseen)")
-        )
-        await self._event(t.job, "Warning", "CheckpointFallback", message)
-        extra: dict[str, Any] = {}
-        if best is not None and (last is None or best > last.step):
-            extra["lastCheckpoint"] = LastCheckpoint(
-                step=best,
-                uri=spec.checkpoint_uri,
-                trigger=Trigger.PERIODIC.value,
-                completed_at=iso(now),
-            ).to_status()
-        await self._restart(
-            t, kind="suspend", resume_step=best,
-            detail=f"its checkpoint did not complete ({verdict.reason}); {step}",
-            extra=extra, suspend_reason="SuspendedWithoutCheckpoint",
-        )  # fmt: skip
-
-    async def _suspend_idle(self, t: Tick, detail: str) -> None:
-        """Suspend an attempt that has no pod yet: no save, no new attempt."""
-        status = t.status
-        resume = status.resumed_from_step
-        message = f"suspended ({detail}); unsuspending resumes " + (
-            "from scratch" if resume is None else f"from step {resume}"
-        )
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.SUSPENDED)
-            .condition("Ready", False, "Suspended", message)
-            .condition("Suspended", True, "Suspended", message)
-            .set(
-                {
-                    "message": message,
-                    "masterAddr": None,
-                    "restartReason": "suspend",
-                    "suspendedAt": iso(t.now),
-                }
-            ),
-        )
-        await self._event(t.job, "Normal", "Suspended", message)
-
-    async def _suspended(self, t: Tick, pods: Sequence[PodView]) -> None:
-        """Keep a suspended job without pods; when ``spec.suspend`` is false again, start the
-        next attempt from the step recorded when it stopped (after any backoff it was in)."""
-        spec, status, now = t.spec, t.status, t.now
-        if pods:
-            # Every pod of a suspended job goes, the last attempt's included (a restarted
-            # operator finishes a suspend it had decided but not carried out).
-            await self._delete_pods(spec, pods, now)
-            return
-        if spec.suspend or (status.restart_after is not None and now < status.restart_after):
-            return
-        replicas = status.replicas_or(spec.replicas)
-        resume = status.resumed_from_step
-        message = f"unsuspended: attempt {status.attempt} starts {replicas} replicas " + (
-            "from scratch" if resume is None else f"from step {resume}"
-        )
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.PENDING)
-            .condition("Suspended", False, "Resumed", message)
-            .condition("Ready", False, "Starting", message)
-            .set(
-                {
-                    "attemptStartedAt": iso(now),
-                    "restartAfter": None,
-                    "suspendedAt": None,
-                    "message": message,
-                }
-            ),
-        )
-        await self._event(t.job, "Normal", "Resumed", message)
-        await self._creator.ensure_pods(t, replace(status, master_addr=None), replicas=replicas)
 
     # ----------------------------------------------------------------- sidecars
 

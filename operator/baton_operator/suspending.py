@@ -1,0 +1,206 @@
+"""Suspending and unsuspending a job (``spec.suspend``, as Kueue drives it).
+
+A running attempt is asked for a checkpoint first (the notice path's record, requests,
+deadline and verdict, in the controller's ``_checkpointing``), then its pods stop; a pending
+one stops at once; a suspended job keeps no pod, and when ``spec.suspend`` is false again the
+next attempt starts from the step recorded when it stopped. No budget is spent and no restart
+is counted. The controller decides *when* (it reads ``spec.suspend`` on every tick); this
+module carries the suspend out, with the controller's restart, hint and pod-delete steps
+handed in (the same ones the notice path uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from . import lifecycle, reports
+from .creating import Creator
+from .jobstatus import iso
+from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
+from .metrics import Metrics
+from .model import JobSpec, LastCheckpoint
+from .pods import PodView
+from .settings import OperatorConfig
+from .tick import Tick
+from .vocabulary import Trigger
+from .writing import StatusWriter
+
+__all__ = ["Suspender"]
+
+Restart = Callable[..., Awaitable[None]]
+"""The controller's ``_restart(t, *, kind, resume_step, detail, extra=, suspend_reason=)``."""
+Hint = Callable[[Tick, Sequence[PodView], Phase | None], Awaitable[None]]
+DeletePods = Callable[[JobSpec, Sequence[PodView], datetime], Awaitable[None]]
+
+
+class Suspender:
+    """Carries out ``spec.suspend`` for the controller (one per operator, shared by jobs)."""
+
+    def __init__(
+        self,
+        *,
+        config: OperatorConfig,
+        metrics: Metrics,
+        writer: StatusWriter,
+        creator: Creator,
+        restart: Restart,
+        hint: Hint,
+        delete_pods: DeletePods,
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._patch = writer.patch
+        self._event = writer.event
+        self._ensure_pods = creator.ensure_pods
+        self._restart = restart
+        self._hint = hint
+        self._delete_pods = delete_pods
+
+    async def begin(self, t: Tick, phase: Phase) -> None:
+        """``spec.suspend`` is true on a Pending or Running attempt.
+
+        Running: every rank is asked for a checkpoint first, as for a notice (the same status
+        record, requests, deadline and verdict in ``_checkpointing``), and the pods stop after
+        it. Pending: nothing has trained since the last commit, so the pods stop at once.
+        """
+        status, now = t.status, t.now
+        if phase is not Phase.RUNNING:
+            if not t.current:
+                await self.idle(t, "spec.suspend is true before any pod was created")
+                return
+            await self._restart(
+                t, kind="suspend", resume_step=status.resume_step,
+                detail="spec.suspend is true before the attempt was running",
+            )  # fmt: skip
+            return
+        deadline = lifecycle.clamp_deadline(
+            now + timedelta(seconds=self._config.suspend_save_seconds), now=now,
+            least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
+        )  # fmt: skip
+        message = (
+            f"spec.suspend is true: asking all {len(t.current)} ranks to checkpoint before "
+            f"{iso(deadline)}, then stopping the pods"
+        )
+        record = {
+            "source": SUSPEND_SOURCE,
+            "nodes": [],
+            "reason": "spec.suspend is true",
+            "deadline": iso(deadline),
+            "receivedAt": iso(now),
+        }
+        await self._patch(
+            t,
+            t.patch()
+            .phase(Phase.CHECKPOINTING)
+            .condition("Checkpointing", True, "Suspend", message)
+            .set({"notice": record, "message": message}),
+        )
+        await self._hint(t, list(t.current.values()), Phase.CHECKPOINTING)
+        await self._event(t.job, "Normal", "Suspending", message)
+
+    async def end_save(self, t: Tick, verdict: Verdict) -> None:
+        """The suspend's save committed or failed: stop the pods either way (the queue wants
+        its quota back), recording the step the job will resume from."""
+        spec, status, now = t.spec, t.status, t.now
+        if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
+            checkpoint = LastCheckpoint(
+                step=verdict.step,
+                uri=verdict.uri or spec.checkpoint_uri,
+                trigger=Trigger.NOTICE.value,
+                completed_at=iso(now),
+                seconds=verdict.seconds,
+            )
+            self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
+            await self._event(
+                t.job, "Normal", "CheckpointCommitted",
+                f"all {len(t.views)} ranks committed step {verdict.step}; suspending",
+            )  # fmt: skip
+            await self._restart(
+                t, kind="suspend", resume_step=verdict.step,
+                detail=f"stopped at step {verdict.step}, its checkpoint committed",
+                extra={"lastCheckpoint": checkpoint.to_status()},
+            )  # fmt: skip
+            return
+        last = status.last_checkpoint
+        best = reports.fallback_step(last, t.memory.reports.values())
+        step = "no step was committed yet" if best is None else f"the last committed step is {best}"
+        message = (
+            f"the suspend's checkpoint did not complete ({verdict.reason}); the pods are "
+            f"stopped anyway and {step}: the job resumes from "
+            + ("the start" if best is None else "it (or from a newer step committed unseen)")
+        )
+        await self._event(t.job, "Warning", "CheckpointFallback", message)
+        extra: dict[str, Any] = {}
+        if best is not None and (last is None or best > last.step):
+            extra["lastCheckpoint"] = LastCheckpoint(
+                step=best,
+                uri=spec.checkpoint_uri,
+                trigger=Trigger.PERIODIC.value,
+                completed_at=iso(now),
+            ).to_status()
+        await self._restart(
+            t, kind="suspend", resume_step=best,
+            detail=f"its checkpoint did not complete ({verdict.reason}); {step}",
+            extra=extra, suspend_reason="SuspendedWithoutCheckpoint",
+        )  # fmt: skip
+
+    async def idle(self, t: Tick, detail: str) -> None:
+        """Suspend an attempt that has no pod yet: no save, no new attempt."""
+        status = t.status
+        resume = status.resumed_from_step
+        message = f"suspended ({detail}); unsuspending resumes " + (
+            "from scratch" if resume is None else f"from step {resume}"
+        )
+        await self._patch(
+            t,
+            t.patch()
+            .phase(Phase.SUSPENDED)
+            .condition("Ready", False, "Suspended", message)
+            .condition("Suspended", True, "Suspended", message)
+            .set(
+                {
+                    "message": message,
+                    "masterAddr": None,
+                    "restartReason": "suspend",
+                    "suspendedAt": iso(t.now),
+                }
+            ),
+        )
+        await self._event(t.job, "Normal", "Suspended", message)
+
+    async def suspended(self, t: Tick, pods: Sequence[PodView]) -> None:
+        """Keep a suspended job without pods; when ``spec.suspend`` is false again, start the
+        next attempt from the step recorded when it stopped (after any backoff it was in)."""
+        spec, status, now = t.spec, t.status, t.now
+        if pods:
+            # Every pod of a suspended job goes, the last attempt's included (a restarted
+            # operator finishes a suspend it had decided but not carried out).
+            await self._delete_pods(spec, pods, now)
+            return
+        if spec.suspend or (status.restart_after is not None and now < status.restart_after):
+            return
+        replicas = status.replicas_or(spec.replicas)
+        resume = status.resumed_from_step
+        message = f"unsuspended: attempt {status.attempt} starts {replicas} replicas " + (
+            "from scratch" if resume is None else f"from step {resume}"
+        )
+        await self._patch(
+            t,
+            t.patch()
+            .phase(Phase.PENDING)
+            .condition("Suspended", False, "Resumed", message)
+            .condition("Ready", False, "Starting", message)
+            .set(
+                {
+                    "attemptStartedAt": iso(now),
+                    "restartAfter": None,
+                    "suspendedAt": None,
+                    "message": message,
+                }
+            ),
+        )
+        await self._event(t.job, "Normal", "Resumed", message)
+        await self._ensure_pods(t, replace(status, master_addr=None), replicas=replicas)
