@@ -55,6 +55,8 @@ class StatusReporter:
         self._channel = channel
         self._lock = threading.Lock()
         self._last_beat = 0.0
+        self._progress: tuple[float, int] | None = None
+        """(monotonic time, step) of the last heartbeat that carried a training step."""
         self._status = Status(
             state=State.IDLE, local_rank=local_rank, local_world_size=local_world_size
         )
@@ -75,12 +77,26 @@ class StatusReporter:
             self._status = status
             self._write(status)
 
-    def heartbeat(self) -> None:
-        """Rewrite the status with a fresh heartbeat, at most every ``HEARTBEAT_EVERY_S``."""
+    def heartbeat(self, step: int | None = None) -> None:
+        """Rewrite the status with a fresh heartbeat, at most every ``HEARTBEAT_EVERY_S``.
+
+        ``step``: the training step just finished; reported as ``train_step``, with the mean
+        wall seconds per step since the previous heartbeat that carried one (``step_seconds``).
+        """
         now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_EVERY_S:
-            self._last_beat = now
+        if now - self._last_beat < HEARTBEAT_EVERY_S:
+            return
+        self._last_beat = now
+        if step is None:
             self.update()
+            return
+        changes: dict[str, Any] = {"train_step": step}
+        previous = self._progress
+        if previous is not None and step > previous[1]:
+            changes["step_seconds"] = round((now - previous[0]) / (step - previous[1]), 6)
+        if previous is None or step != previous[1]:
+            self._progress = (now, step)
+        self.update(**changes)
 
     def _write(self, status: Status) -> None:
         if self._channel is None:

@@ -367,7 +367,7 @@ class Checkpointer:
                 local = self._local_notice()
                 agreement = agree(local, rank=self.rank, group=self._group)
             overlap = self._group is not None and self._overlap_next(agreement)
-        self._reporter.heartbeat()
+        self._reporter.heartbeat(step)
         if agreement is not None and agreement.background_failed:
             self._raise_background_failure()
         if agreement is not None and local is not None and agreement.notice:

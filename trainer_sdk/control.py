@@ -325,6 +325,12 @@ class Status:
     """Bytes the last save wrote (all ranks together, as far as rank 0 knows)."""
     last_committed_step: int | None = None
     """The newest step known to be committed, whatever the state is now."""
+    train_step: int | None = None
+    """The last training step the loop finished, as of ``heartbeat`` (the operator's count of
+    steps an interruption lost; refreshed with the heartbeat, so it may lag a few seconds)."""
+    step_seconds: float | None = None
+    """Mean wall seconds per training step between the last two heartbeats that saw progress
+    (saves in between included): the operator's estimate of what a lost step cost."""
     updated: datetime = dataclasses.field(default_factory=utcnow)
     """When ``state`` last changed."""
     pid: int = dataclasses.field(default_factory=os.getpid)
@@ -358,6 +364,8 @@ class Status:
             "phases": {str(k): float(v) for k, v in self.phases.items()},
             "bytes": self.bytes,
             "last_committed_step": self.last_committed_step,
+            "train_step": self.train_step,
+            "step_seconds": self.step_seconds,
             "updated": format_rfc3339(self.updated),
             "pid": self.pid,
             "heartbeat": format_rfc3339(self.heartbeat),
@@ -384,6 +392,7 @@ class Status:
         heartbeat = heartbeat if heartbeat is not None else updated
         now = utcnow()
         seconds = _get(data, "seconds", float)
+        step_seconds = _get(data, "step_seconds", float)
         return cls(
             state=_state(data.get("state", State.IDLE.value)),
             request_id=_get(data, "request_id", str),
@@ -396,6 +405,8 @@ class Status:
             phases={str(k): float(v) for k, v in raw_phases.items()},
             bytes=_get(data, "bytes", int),
             last_committed_step=_get(data, "last_committed_step", int),
+            train_step=_get(data, "train_step", int),
+            step_seconds=None if step_seconds is None else float(step_seconds),
             updated=updated if updated is not None else now,
             pid=_get(data, "pid", int) or 0,
             heartbeat=heartbeat if heartbeat is not None else now,
