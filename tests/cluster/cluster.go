@@ -472,6 +472,10 @@ func (c *cluster) startControlPlane() error {
 		"--default-not-ready-toleration-seconds="+tol,
 		"--default-unreachable-toleration-seconds="+tol,
 		"--profiling=false",
+		// Gang scheduling (Kubernetes 1.37 beta): serve scheduling.k8s.io/v1beta1 PodGroups
+		// (a beta API group, off by default) and accept pods' spec.schedulingGroup.
+		"--feature-gates="+genericWorkloadGate,
+		"--runtime-config=scheduling.k8s.io/v1beta1=true",
 		"--v=1",
 	); err != nil {
 		return err
@@ -506,7 +510,11 @@ func (c *cluster) startControlPlane() error {
 			"replicaset-controller", "deployment-controller", "statefulset-controller", "job-controller",
 			"endpointslice-controller", "disruption-controller", "ttl-after-finished-controller",
 			"cronjob-controller", "clusterrole-aggregation-controller", "resourcequota-controller",
+			// Removes the scheduling.k8s.io/podgroup-protection finalizer once no pod uses
+			// the PodGroup; without it a deleted PodGroup would stay forever.
+			"podgroup-protection-controller",
 		}, ","),
+		"--feature-gates="+genericWorkloadGate,
 		"--node-monitor-period=1s",
 		fmt.Sprintf("--node-monitor-grace-period=%s", grace),
 		"--node-startup-grace-period=30s",
@@ -522,12 +530,18 @@ func (c *cluster) startControlPlane() error {
 		"--bind-address=127.0.0.1",
 		"--secure-port=0",
 		"--leader-elect=false",
+		// The GangScheduling plugin (all-or-nothing binding of a PodGroup's pods).
+		"--feature-gates="+genericWorkloadGate,
 		"--v=1",
 	); err != nil {
 		return err
 	}
 	return nil
 }
+
+// genericWorkloadGate turns on the Workload/PodGroup API in the API server, the
+// GangScheduling plugin in the scheduler and the PodGroup protection controller.
+const genericWorkloadGate = "GenericWorkload=true"
 
 func (c *cluster) waitAPIReady(timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)

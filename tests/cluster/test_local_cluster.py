@@ -14,11 +14,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import urllib3
-from baton_testing.cluster import LocalCluster
+from baton_testing.cluster import DEFAULT_CONFIG, LocalCluster
 from kubernetes import client
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
@@ -456,6 +456,73 @@ def test_deleting_owner_garbage_collects_owned_pods(
         lambda: not pods() and not apps.list_namespaced_replica_set(namespace).items,
     )
     assert all(not local_cluster.pod_processes(uid) for uid in uids)
+
+
+def test_gang_of_pod_group_binds_no_pod_until_all_fit(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    """GenericWorkload gang scheduling: a PodGroup with minCount 2 whose second pod has no
+    room gets neither pod bound (no pod holds its GPUs while its peer waits); once a second
+    node fits, both bind together and run."""
+    custom = client.CustomObjectsApi(local_cluster.api)
+    custom.create_namespaced_custom_object(
+        "scheduling.k8s.io", "v1beta1", namespace, "podgroups",
+        {
+            "apiVersion": "scheduling.k8s.io/v1beta1",
+            "kind": "PodGroup",
+            "metadata": {"name": "gang"},
+            "spec": {"schedulingPolicy": {"gang": {"minCount": 2}}},
+        },
+    )  # fmt: skip
+    # Two fresh nodes, so no other test's pods hold their GPUs; a pod takes a whole node's
+    # GPUs and may only go where this test's label is, which only node_a has at first.
+    node_a, node_b = local_cluster.add_node(), local_cluster.add_node()
+    label = {"baton-test/gang": namespace}
+    core.patch_node(node_a, {"metadata": {"labels": label}})
+    gpus = {"nvidia.com/gpu": str(DEFAULT_CONFIG.gpus_per_node)}  # client 37's models want str
+    names = ("gang-0", "gang-1")
+    for name in names:
+        manifest = pod_manifest(
+            name,
+            [{**python_container("main", "import time; time.sleep(3600)"),
+              "resources": {"limits": gpus}}],
+            nodeSelector=label,
+            schedulingGroup={"podGroupName": "gang"},
+        )  # fmt: skip
+        core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    for name in names:
+        pod = read_pod(core, namespace, name)
+        assert pod is not None
+        assert pod["spec"]["schedulingGroup"] == {"podGroupName": "gang"}
+
+    def group_unschedulable() -> str | None:
+        group = cast(
+            dict[str, Any],
+            custom.get_namespaced_custom_object(
+                "scheduling.k8s.io", "v1beta1", namespace, "podgroups", "gang"
+            ),
+        )
+        for c in (group.get("status") or {}).get("conditions") or []:
+            if c["type"] == "PodGroupInitiallyScheduled" and c["reason"] == "Unschedulable":
+                return str(c["message"])
+        return None
+
+    # The scheduler's verdict on the whole gang, not a guess at how long it needs.
+    message = wait_for("the scheduler to find the gang unschedulable", group_unschedulable)
+    assert "minCount (2) cannot be satisfied" in message
+    for name in names:
+        pod = read_pod(core, namespace, name)
+        assert pod is not None
+        assert pod["spec"].get("nodeName") is None, f"{name} was bound alone: {pod}"
+
+    core.patch_node(node_b, {"metadata": {"labels": label}})
+
+    def both_running() -> list[dict[str, Any]] | None:
+        running = [p for n in names if (p := pod_phase(core, namespace, n, "Running"))]
+        return running if len(running) == len(names) else None
+
+    running = wait_for("both gang pods to bind and run once a second node fits", both_running)
+    assert sorted(p["spec"]["nodeName"] for p in running) == sorted([node_a, node_b])
 
 
 def run_pinned_sleeper(
