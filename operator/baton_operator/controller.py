@@ -31,10 +31,10 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from . import disruption, interval, lifecycle, manifests, podpolicy, reports
+from . import disruption, economics, interval, lifecycle, manifests, podpolicy, reports
 from .creating import Creator
 from .errors import KubeConflictError, KubeError, SidecarUnreachableError
-from .jobstatus import JobStatus, iso
+from .jobstatus import JobStatus, NoticeRecord, iso
 from .kube import Kube
 from .lifecycle import SUSPEND_SOURCE, Outcome, Phase, RankView, VerdictKind
 from .metrics import Metrics
@@ -281,6 +281,7 @@ class Reconciler:
         replicas: int | None = None,
         extra: Mapping[str, Any] | None = None,
         suspend_reason: str = "Suspended",
+        cause: economics.Cause | None = None,
     ) -> None:
         spec, status, now = t.spec, t.status, t.now
         plan = lifecycle.plan_restart(
@@ -289,6 +290,21 @@ class Reconciler:
             detail=detail,
         )  # fmt: skip
         suspended = plan.phase is Phase.SUSPENDED
+        # An interruption (not a suspend, not an elastic shrink) goes into the history in the
+        # same write as the decision, so that a restarted operator never records it twice.
+        record = None
+        costs: dict[str, Any] = {}
+        if cause is not None and kind in ("preemption", "failure"):
+            record = economics.entry(
+                cause, attempt=status.attempt, resume_step=plan.resume_step,
+                progress=economics.progress(t.memory.reports.values()),
+                gpus=economics.gpus(t.current.values()), now=now,
+            )  # fmt: skip
+            raw: Mapping[str, Any] = t.job.get("status") or {}
+            costs = {
+                "interruptions": economics.appended(raw.get("interruptions") or [], record),
+                "stepsLost": int(raw.get("stepsLost") or 0) + int(record.get("stepsLost") or 0),
+            }
         patch = (
             t.patch()
             .phase(plan.phase)
@@ -308,6 +324,7 @@ class Reconciler:
                     "notice": None,
                     "unschedulableSince": None,
                     "message": plan.message,
+                    **costs,
                     **(extra or {}),
                 }
             )
@@ -323,6 +340,8 @@ class Reconciler:
         self._metrics.failure_budget.labels(spec.namespace, spec.name).set(
             max(0, spec.max_failures - plan.failures)
         )
+        if record is not None:
+            self._metrics.interruption(spec.namespace, spec.name, record)
         # The save (if any) is over: the hints go before the pods do.
         await self._hint(t, list(t.current.values()), plan.phase)
         if plan.exhausted:
@@ -380,6 +399,10 @@ class Reconciler:
                 t, kind="preemption", resume_step=status.resume_step,
                 detail=f"{notice.source} notice on {notice.node} before start",
                 extra={"avoidNodes": avoid},
+                cause=economics.Cause(
+                    source=notice.source, nodes=tuple(noticed or [notice.node]), notice_at=now,
+                    deadline=notice.deadline,
+                ),
             )  # fmt: skip
             return
         deadline = lifecycle.clamp_deadline(
@@ -406,6 +429,18 @@ class Reconciler:
         )
         await self._hint(t, list(t.current.values()), Phase.CHECKPOINTING)
         await self._event(t.job, "Warning", "EvictionNotice", message)
+
+    @staticmethod
+    def _notice_cause(
+        notice: NoticeRecord | None, *, durable_at: datetime | None
+    ) -> economics.Cause:
+        """The interruption a notice's save ended (``durable_at``: when it committed)."""
+        if notice is None:
+            return economics.Cause(source="notice", durable_at=durable_at)
+        return economics.Cause(
+            source=notice.source or "notice", nodes=notice.nodes, notice_at=notice.received_at,
+            deadline=notice.deadline, durable_at=durable_at,
+        )  # fmt: skip
 
     async def _checkpointing(self, t: Tick) -> None:
         spec, status, now, memory, views = t.spec, t.status, t.now, t.memory, t.views
@@ -467,8 +502,6 @@ class Reconciler:
             self._metrics.notice_to_commit.labels(*key).observe((now - received).total_seconds())
             self._metrics.deadline_margin.labels(*key).observe((deadline - now).total_seconds())
             self._metrics.last_checkpoint.labels(*key).set(now.timestamp())
-            self._metrics.steps_lost.labels(*key).observe(0)
-            self._metrics.steps_lost_total.labels(*key).inc(0)
             await self._event(
                 t.job, "Normal", "CheckpointCommitted",
                 f"all {replicas} ranks committed step {verdict.step} "
@@ -479,6 +512,7 @@ class Reconciler:
                 t, kind="preemption", resume_step=verdict.step,
                 detail=f"{source} notice, checkpoint at step {verdict.step}",
                 extra={"lastCheckpoint": checkpoint.to_status()},
+                cause=self._notice_cause(notice, durable_at=now),
             )  # fmt: skip
             return
         # Fall back to the newest step every rank is known to have committed.
@@ -503,7 +537,7 @@ class Reconciler:
             ).to_status()
         await self._restart(
             t, kind="preemption", resume_step=best, detail=f"{source} notice, {verdict.reason}",
-            extra=extra,
+            extra=extra, cause=self._notice_cause(notice, durable_at=None),
         )  # fmt: skip
 
     # ----------------------------------------------------------------- sidecars
@@ -533,6 +567,37 @@ class Reconciler:
         t.memory.next_progress_poll = t.now + timedelta(seconds=self._config.progress_poll_seconds)
         await self._learn_commit(t)
         await self._check_resume(t)
+        await self._account(t)
+
+    async def _account(self, t: Tick) -> None:
+        """Keep the interruption history's restart time and the job's goodput up to date
+        from the sidecars' reports (economics.py; polled with the progress)."""
+        spec, now = t.spec, t.now
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        now_progress = economics.progress(t.memory.reports.values())
+        fields: dict[str, Any] = {}
+        filled = economics.filled_restart(
+            raw.get("interruptions") or [], attempt=t.status.attempt, now_progress=now_progress
+        )
+        if filled is not None:
+            fields["interruptions"] = filled
+            seconds = filled[-1]["restartSeconds"]
+            self._metrics.restart_seconds.labels(spec.namespace, spec.name).observe(seconds)
+        created = parse_time((t.job.get("metadata") or {}).get("creationTimestamp"))
+        good = economics.goodput(
+            step=now_progress.step, step_seconds=now_progress.step_seconds, created=created,
+            suspended_seconds=float(raw.get("suspendedSeconds") or 0.0), now=now,
+        )  # fmt: skip
+        if good is not None:
+            self._metrics.goodput.labels(spec.namespace, spec.name).set(good.ratio)
+            due = t.memory.next_goodput_write
+            if due is None or now >= due:
+                fields["goodput"] = good.to_status(now)
+                t.memory.next_goodput_write = now + timedelta(
+                    seconds=economics.GOODPUT_WRITE_SECONDS
+                )
+        if fields:
+            await self._patch(t, t.patch().set(fields))
 
     async def _check_resume(self, t: Tick) -> None:
         """Make ``status.resumedFromStep`` the step the ranks actually loaded.
@@ -600,14 +665,20 @@ class Reconciler:
         if outcome is Outcome.SUCCEEDED:
             await self._succeed(t)
         elif outcome in (Outcome.FAILED, Outcome.NODE_LOST):
-            await self._restart(t, kind="failure", resume_step=resume, detail=detail)
+            lost = tuple(sorted({v.node for v in t.views if v.node_lost and v.node}))
+            source = "node-lost" if outcome is Outcome.NODE_LOST else "failure"
+            await self._restart(
+                t, kind="failure", resume_step=resume, detail=detail,
+                cause=economics.Cause(source=source, nodes=lost),
+            )  # fmt: skip
         elif outcome is Outcome.PREEMPTED:
             # The rank saved on its own (SIGTERM or a cloud notice its sidecar saw): ask the
             # survivors' rank 0 what it committed, then resume there.
             learned = await self._learn_commit(t)
+            nodes = tuple(sorted({v.node for v in t.views if v.served_notice and v.node}))
             await self._restart(
                 t, kind="preemption", resume_step=learned if learned is not None else resume,
-                detail=detail,
+                detail=detail, cause=economics.Cause(source="eviction", nodes=nodes),
             )  # fmt: skip
         elif outcome is Outcome.UNSCHEDULABLE:
             await self._maybe_shrink(t, detail)

@@ -21,6 +21,7 @@ from . import podpolicy
 __all__ = [
     "GPU_RESOURCE",
     "GROUP",
+    "HISTORY_LIMIT",
     "KIND",
     "PLURAL",
     "SHORT_NAME",
@@ -57,6 +58,8 @@ _MAX_PROCS: Final = 64
 """procsPerReplica's ceiling: a GPU node has 8 or 16 GPUs, one process each; more processes
 than this in one pod is a typo (1000 was once accepted and "succeeded" with one process)."""
 GPU_RESOURCE: Final = "nvidia.com/gpu"
+HISTORY_LIMIT: Final = 20
+"""``status.interruptions`` keeps the newest this many (maxItems; economics.py trims)."""
 _GPU_Q: Final = f"'{GPU_RESOURCE}'"
 
 
@@ -403,6 +406,56 @@ def _status_schema() -> dict[str, Any]:
             "bounded": _str("min or max when a bound overrode the formula."),
         },
     }
+
+    def _num(description: str) -> dict[str, Any]:
+        return {"type": "number", "description": description}
+
+    interruption = {
+        "type": "object",
+        "description": "One interruption: a notice-driven preemption, a node lost, a failure.",
+        "properties": {
+            "attempt": _int("The attempt it ended."),
+            "source": _str(
+                "The notice's source (aws, karpenter, gke, azure, disruption-target...), "
+                "node-lost, eviction (a rank saved on its own after a SIGTERM) or failure."
+            ),
+            "nodes": {"type": "array", "items": {"type": "string"}, "description": "Its nodes."},
+            "at": _str("When the operator decided the restart.", format="date-time"),
+            "noticeAt": _str("When the notice was received.", format="date-time"),
+            "deadline": _str("The notice's deadline (clamped).", format="date-time"),
+            "leadSeconds": _num("Notice to deadline: the time the notice gave."),
+            "noticeToDurableSeconds": _num(
+                "Notice to every rank's committed save; absent when the save did not commit."
+            ),
+            "lastGoodStep": _int("The last training step any rank reported before it."),
+            "lastGoodStepAt": _str("When that step was reported.", format="date-time"),
+            "resumeStep": _int("The step the next attempt resumes from."),
+            "stepsLost": _int("lastGoodStep - resumeStep: steps to recompute (a lower bound)."),
+            "stepSeconds": _num("The measured mean seconds per step (the ranks' median)."),
+            "gpus": _int("The attempt's GPUs (its pods' nvidia.com/gpu requests)."),
+            "gpuSecondsLost": _num("stepsLost x stepSeconds x gpus (an estimate)."),
+            "restartSeconds": _num(
+                "From lastGoodStepAt to the next attempt's first reported step; absent "
+                "until it trains."
+            ),
+        },
+    }
+    goodput = {
+        "type": "object",
+        "description": (
+            "Productive step time / wall time: step x stepSeconds over the time since the "
+            "job was created less the time it was suspended (an estimate)."
+        ),
+        "properties": {
+            "ratio": _num("Goodput, 0 to 1."),
+            "productiveSeconds": _num("step x stepSeconds."),
+            "wallSeconds": _num("Since creation, less suspendedSeconds."),
+            "step": _int("The last training step reported."),
+            "stepSeconds": _num("The measured mean seconds per step."),
+            "suspendedSeconds": _num("Time spent suspended, not counted as wall time."),
+            "updatedAt": _str("When it was computed.", format="date-time"),
+        },
+    }
     return {
         "type": "object",
         "description": "What the operator observed and did.",
@@ -431,6 +484,14 @@ def _status_schema() -> dict[str, Any]:
                 "description": "Nodes with a notice; new attempts are kept off them.",
             },
             "notice": notice,
+            "interruptions": {
+                "type": "array",
+                "items": interruption,
+                "maxItems": HISTORY_LIMIT,
+                "description": f"The newest {HISTORY_LIMIT} interruptions, oldest first.",
+            },
+            "goodput": goodput,
+            "suspendedSeconds": _num("Seconds the job spent suspended, in total."),
             "lastCheckpoint": last_checkpoint,
             "checkpointInterval": checkpoint_interval,
             "conditions": {

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 from aiohttp import web
 from prometheus_client import (
@@ -61,6 +61,27 @@ class Metrics:
         self.steps_lost_total = Counter(
             "baton_steps_lost", "Steps recomputed after restarts.", _JOB, registry=r
         )
+        self.gpu_seconds_lost_total = Counter(
+            "baton_gpu_seconds_lost",
+            "GPU-seconds of recomputed steps (steps lost x measured step time x GPUs).",
+            _JOB, registry=r,
+        )  # fmt: skip
+        self.notice_lead = Histogram(
+            "baton_notice_lead_seconds",
+            "Seconds between a notice's arrival and its deadline (what the cloud gave).",
+            _JOB, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.restart_seconds = Histogram(
+            "baton_restart_seconds",
+            "Seconds from the last good step before an interruption to the first step after.",
+            _JOB, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.goodput = Gauge(
+            "baton_goodput_ratio",
+            "Productive step time over wall time since the job was created (less suspended "
+            "time); an estimate from the ranks' reported step and step time.",
+            _JOB, registry=r,
+        )  # fmt: skip
         self.jobs = Gauge("baton_jobs", "TrainingJobs by phase.", ("phase",), registry=r)
         self.notices = Counter(
             "baton_notices", "Eviction notices seen, by source.", ("source",), registry=r
@@ -113,8 +134,22 @@ class Metrics:
         self._live.add(key)
         self.preemptions.labels(*key)
         self.steps_lost_total.labels(*key)
+        self.gpu_seconds_lost_total.labels(*key)
         self.failure_budget.labels(*key).set(failures_left)
         self.last_checkpoint.labels(*key).set(last_checkpoint)
+
+    def interruption(self, namespace: str, name: str, record: Mapping[str, Any]) -> None:
+        """Count one ``status.interruptions`` entry (economics.entry): steps and GPU-seconds
+        lost, and the notice's lead time when it had one."""
+        key = (namespace, name)
+        steps = record.get("stepsLost")
+        if steps is not None:
+            self.steps_lost.labels(*key).observe(steps)
+            self.steps_lost_total.labels(*key).inc(steps)
+        self.gpu_seconds_lost_total.labels(*key).inc(record.get("gpuSecondsLost") or 0)
+        lead = record.get("leadSeconds")
+        if lead is not None:
+            self.notice_lead.labels(*key).observe(lead)
 
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
         """Keep ``baton_jobs{phase}`` equal to the number of jobs in each phase (None: the job
@@ -147,7 +182,9 @@ class Metrics:
         """Drop the gauges of a Succeeded or Failed job; its counters stay until deletion."""
         key = (namespace, name)
         self._live.discard(key)
-        for gauge in (self.failure_budget, self.last_checkpoint, self.checkpoint_interval):
+        for gauge in (
+            self.failure_budget, self.last_checkpoint, self.checkpoint_interval, self.goodput,
+        ):  # fmt: skip
             _remove(gauge, key)
 
     def job_deleted(self, namespace: str, name: str) -> None:
@@ -156,7 +193,8 @@ class Metrics:
         self.job_finished(namespace, name)
         for metric in (
             self.notice_to_commit, self.deadline_margin, self.preemptions, self.steps_lost,
-            self.steps_lost_total,
+            self.steps_lost_total, self.gpu_seconds_lost_total, self.notice_lead,
+            self.restart_seconds,
         ):  # fmt: skip
             _remove(metric, key)
         for reason in self._restart_reasons.pop(key, set()):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from .model import LastCheckpoint
+from .notices import parse_time
 from .vocabulary import EMERGENCY_TRIGGERS, SaveState
 
 __all__ = [
@@ -39,6 +41,12 @@ class SidecarStatus:
     trigger: str | None = None
     last_committed_step: int | None = None
     """The newest step this rank knows committed (periodic saves included)."""
+    train_step: int | None = None
+    """The last training step the rank's loop finished, as of ``heartbeat``."""
+    step_seconds: float | None = None
+    """The rank's measured mean wall seconds per step."""
+    heartbeat: datetime | None = None
+    """When the SDK last wrote its status (a step boundary, or a save's state change)."""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> SidecarStatus:
@@ -49,6 +57,7 @@ class SidecarStatus:
             return None if value is None else int(value)
 
         seconds = raw.get("seconds")
+        step_seconds = raw.get("step_seconds")
         return cls(
             state=str(raw.get("state", SaveState.IDLE)),
             step=opt_int("step"),
@@ -58,6 +67,9 @@ class SidecarStatus:
             request_id=raw.get("request_id"),
             trigger=raw.get("trigger"),
             last_committed_step=opt_int("last_committed_step"),
+            train_step=opt_int("train_step"),
+            step_seconds=None if step_seconds is None else float(step_seconds),
+            heartbeat=parse_time(raw.get("heartbeat")),
         )
 
     @property

@@ -11,7 +11,7 @@ handed in (the same ones the notice path uses).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -22,6 +22,7 @@ from .jobstatus import iso
 from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
 from .metrics import Metrics
 from .model import JobSpec, LastCheckpoint
+from .notices import parse_time
 from .pods import PodView
 from .settings import OperatorConfig
 from .tick import Tick
@@ -34,6 +35,16 @@ Restart = Callable[..., Awaitable[None]]
 """The controller's ``_restart(t, *, kind, resume_step, detail, extra=, suspend_reason=)``."""
 Hint = Callable[[Tick, Sequence[PodView], Phase | None], Awaitable[None]]
 DeletePods = Callable[[JobSpec, Sequence[PodView], datetime], Awaitable[None]]
+
+
+def _suspended_seconds(t: Tick) -> float:
+    """The job's time suspended so far, this suspension (ending now) included."""
+    raw: Mapping[str, Any] = t.job.get("status") or {}
+    total = float(raw.get("suspendedSeconds") or 0.0)
+    since = parse_time(raw.get("suspendedAt"))
+    if since is not None and t.now > since:
+        total += (t.now - since).total_seconds()
+    return round(total, 1)
 
 
 class Suspender:
@@ -198,6 +209,8 @@ class Suspender:
                     "attemptStartedAt": iso(now),
                     "restartAfter": None,
                     "suspendedAt": None,
+                    # Goodput counts wall time less the time the job was held (economics.py).
+                    "suspendedSeconds": _suspended_seconds(t),
                     "message": message,
                 }
             ),

@@ -37,6 +37,8 @@ class JobMemory:
     """Creates of pods or the Service that failed in a row (temporary errors)."""
     create_retry_at: datetime | None = None
     """No create is tried before this time (backoff after a temporary error)."""
+    next_goodput_write: datetime | None = None
+    """``status.goodput`` is written again no sooner than this (economics.py)."""
 
     def for_attempt(self, attempt: int) -> None:
         """Forget the reports of an earlier attempt."""

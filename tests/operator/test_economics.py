@@ -1,0 +1,173 @@
+"""The arithmetic of the interruption history and goodput (economics.py), without a cluster.
+
+The reconciler's use of it (an entry appended in the restart's own write, the restart time
+filled when the next attempt trains) is tested in test_reconciler.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from baton_operator import economics
+from baton_operator.crd import crd_manifest
+from baton_operator.economics import Cause, Progress
+from baton_operator.reports import SidecarStatus
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+
+
+@dataclass
+class _Pod:
+    body: dict[str, Any]
+
+
+def _pod(*containers: dict[str, Any]) -> _Pod:
+    return _Pod({"spec": {"containers": list(containers)}})
+
+
+def test_progress_is_the_newest_step_any_rank_reported_and_the_median_step_time() -> None:
+    reports = [
+        SidecarStatus(state="idle", train_step=40, step_seconds=0.4, heartbeat=T0),
+        SidecarStatus(
+            state="saving", train_step=42, step_seconds=0.5, heartbeat=T0 + timedelta(seconds=3)
+        ),
+        SidecarStatus(state="idle", train_step=41, step_seconds=0.9, heartbeat=T0),
+        SidecarStatus(state="idle"),  # an SDK that reports no progress
+    ]
+    p = economics.progress(reports)
+    assert (p.step, p.at, p.step_seconds) == (42, T0 + timedelta(seconds=3), 0.5)
+    assert economics.progress([SidecarStatus(state="idle")]) == Progress()
+
+
+def test_gpus_are_the_pods_integer_gpu_requests() -> None:
+    gpu = "nvidia.com/gpu"
+    pods = [
+        _pod({"resources": {"requests": {gpu: "8"}, "limits": {gpu: "8"}}}, {"name": "x"}),
+        _pod({"resources": {"limits": {gpu: 4}}}),  # requests default to limits
+        _pod({"resources": {"requests": {"cpu": "2"}}}),
+        _pod({"resources": {"limits": {gpu: "1.5"}}}),  # not an integer: not counted
+    ]
+    assert economics.gpus(pods) == 12
+    assert economics.gpus([]) == 0
+
+
+def test_an_entry_prices_the_steps_lost() -> None:
+    cause = Cause(
+        source="karpenter",
+        nodes=("n1",),
+        notice_at=T0,
+        deadline=T0 + timedelta(seconds=120),
+        durable_at=T0 + timedelta(seconds=9.5),
+    )
+    progress = Progress(step=130, at=T0 - timedelta(seconds=1), step_seconds=0.25)
+    e = economics.entry(
+        cause,
+        attempt=3,
+        resume_step=100,
+        progress=progress,
+        gpus=16,
+        now=T0 + timedelta(seconds=10),
+    )
+    assert e == {
+        "attempt": 3,
+        "source": "karpenter",
+        "nodes": ["n1"],
+        "at": "2026-03-01T12:00:10Z",
+        "noticeAt": "2026-03-01T12:00:00Z",
+        "deadline": "2026-03-01T12:02:00Z",
+        "leadSeconds": 120.0,
+        "noticeToDurableSeconds": 9.5,
+        "lastGoodStep": 130,
+        "lastGoodStepAt": "2026-03-01T11:59:59Z",
+        "resumeStep": 100,
+        "stepsLost": 30,
+        "stepSeconds": 0.25,
+        "gpus": 16,
+        "gpuSecondsLost": 30 * 0.25 * 16,
+    }
+    # No checkpoint yet: everything reported is lost. No step time: no price.
+    bare = economics.entry(
+        Cause(source="failure"),
+        attempt=0,
+        resume_step=None,
+        progress=Progress(step=7),
+        gpus=8,
+        now=T0,
+    )
+    assert bare["stepsLost"] == 7
+    assert "gpuSecondsLost" not in bare
+    assert "noticeToDurableSeconds" not in bare
+
+
+def test_the_history_is_bounded_to_the_newest_twenty() -> None:
+    history: list[Any] = []
+    for i in range(25):
+        history = economics.appended(history, {"attempt": i})
+    assert economics.HISTORY_LIMIT == 20
+    assert [e["attempt"] for e in history] == list(range(5, 25))
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["status"]["properties"]["interruptions"]["maxItems"] == 20
+
+
+def test_restart_seconds_are_filled_once_by_a_later_attempt() -> None:
+    history = [
+        {"attempt": 2, "at": "2026-03-01T12:00:10Z", "lastGoodStepAt": "2026-03-01T12:00:00Z"}
+    ]
+    first = Progress(step=101, at=T0 + timedelta(seconds=75), step_seconds=0.25)
+    assert economics.filled_restart(history, attempt=2, now_progress=first) is None, "same attempt"
+    assert economics.filled_restart(history, attempt=3, now_progress=Progress()) is None
+    filled = economics.filled_restart(history, attempt=3, now_progress=first)
+    assert filled is not None
+    assert filled[-1]["restartSeconds"] == 75.0
+    assert economics.filled_restart(filled, attempt=3, now_progress=first) is None, "once"
+    # No step was reported before the interruption: from the time it was recorded.
+    unknown = [{"attempt": 0, "at": "2026-03-01T12:00:10Z"}]
+    again = economics.filled_restart(unknown, attempt=1, now_progress=first)
+    assert again is not None
+    assert again[-1]["restartSeconds"] == 65.0
+
+
+def test_goodput_is_productive_step_time_over_wall_time_less_suspended_time() -> None:
+    g = economics.goodput(
+        step=600,
+        step_seconds=0.5,
+        created=T0,
+        suspended_seconds=200,
+        now=T0 + timedelta(seconds=600),
+    )
+    assert g is not None
+    assert (g.productive_seconds, g.wall_seconds) == (300.0, 400.0)
+    assert g.ratio == pytest.approx(0.75)
+    assert g.to_status(T0)["ratio"] == 0.75
+    capped = economics.goodput(
+        step=10_000,
+        step_seconds=1.0,
+        created=T0,
+        suspended_seconds=0,
+        now=T0 + timedelta(seconds=60),
+    )
+    assert capped is not None
+    assert capped.ratio == 1.0, "a resumed job's step counts its earlier life's steps"
+    assert (
+        economics.goodput(
+            step=None,
+            step_seconds=0.5,
+            created=T0,
+            suspended_seconds=0,
+            now=T0 + timedelta(seconds=60),
+        )
+        is None
+    )
+    assert (
+        economics.goodput(
+            step=5,
+            step_seconds=None,
+            created=T0,
+            suspended_seconds=0,
+            now=T0 + timedelta(seconds=60),
+        )
+        is None
+    )
