@@ -168,6 +168,76 @@ _PANELS: Final[tuple[_Panel, ...]] = (
         bars=True,
     ),
     _Panel(
+        title="Goodput",
+        description=(
+            "Productive step time over wall time since the job was created (time suspended "
+            "not counted): the job's current step times its measured step time. An estimate "
+            "from the ranks' reports (docs/observability.md). BatonLowGoodput fires below "
+            "0.8 for 30 minutes; status.interruptions says where the rest went."
+        ),
+        targets=(
+            _Target(
+                expr=f"max by (namespace, job) (baton_goodput_ratio{{{_SEL}}})",
+                legend="{{namespace}}/{{job}}",
+            ),
+        ),
+        unit="percentunit",
+        thresholds=((0, "red"), (0.8, "green")),
+    ),
+    _Panel(
+        title="GPU-seconds lost",
+        description=(
+            "What the steps lost cost: steps lost x the measured step time x the attempt's "
+            "GPUs (its pods' nvidia.com/gpu requests), per interval. Zero for jobs without "
+            "GPUs; an estimate, like the steps it prices."
+        ),
+        targets=(
+            _Target(
+                expr=(
+                    "sum by (namespace, job) "
+                    f"(increase(baton_gpu_seconds_lost_total{{{_SEL}}}[{_RATE}]))"
+                ),
+                legend="lost {{namespace}}/{{job}}",
+            ),
+        ),
+        unit="s",
+        bars=True,
+    ),
+    _Panel(
+        title="Notice lead time against notice to durable",
+        description=(
+            "How much time the notices gave (notice to deadline, p05 and p50) against how "
+            "long the saves took to become durable (notice to every rank's commit, p50 and "
+            "p95). When the second approaches the first, the next notice may be missed."
+        ),
+        targets=(
+            *_quantiles(
+                "baton_notice_lead_seconds",
+                "namespace, job",
+                (0.05, 0.5),
+                "lead {{namespace}}/{{job}}",
+            ),
+            *_quantiles(
+                "baton_checkpoint_notice_to_commit_seconds",
+                "namespace, job",
+                (0.5, 0.95),
+                "durable {{namespace}}/{{job}}",
+            ),
+        ),
+        unit="s",
+    ),
+    _Panel(
+        title="Restart time (p50, p95)",
+        description=(
+            "From the last good step before an interruption to the first step of the next "
+            "attempt: the save, the pods' scheduling and start, and the restore."
+        ),
+        targets=_quantiles(
+            "baton_restart_seconds", "namespace, job", (0.5, 0.95), "{{namespace}}/{{job}}"
+        ),
+        unit="s",
+    ),
+    _Panel(
         title="Save throughput",
         description=(
             "Checkpoint bytes written per second of save time (bytes over the summed save "

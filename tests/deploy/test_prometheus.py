@@ -172,6 +172,8 @@ def _create_operator_series(m: Metrics) -> None:
     for metric in (m.notice_to_commit, m.deadline_margin, m.preemptions, m.steps_lost):
         metric.labels(**job)
     m.steps_lost_total.labels(**job)
+    for metric in (m.gpu_seconds_lost_total, m.notice_lead, m.restart_seconds):
+        metric.labels(**job)
     for reason in ("preemption", "failure"):
         m.restarts.labels(**job, reason=reason)
     for source in ("aws", "karpenter"):
@@ -194,6 +196,11 @@ def _record_operator_events(m: Metrics) -> None:
     m.restarts.labels(**job, reason="failure").inc()
     m.steps_lost.labels(**job).observe(37)
     m.steps_lost_total.labels(**job).inc(37)
+    for lead in (120.0, 30.0):
+        m.notice_lead.labels(**job).observe(lead)
+    m.gpu_seconds_lost_total.labels(**job).inc(37 * 0.5 * 8)
+    m.restart_seconds.labels(**job).observe(95.0)
+    m.goodput.labels(**job).set(0.91)
     m.failure_budget.labels(**job).set(2)
     m.last_checkpoint.labels(**job).set(time.time())
 
@@ -275,7 +282,7 @@ def test_every_dashboard_and_alert_query_runs_on_scraped_data(
     # The rules loaded into the server and evaluated without error.
     def rules_evaluated() -> bool:
         rules = [r for g in prom.rules() for r in g["rules"]]
-        return len(rules) == 4 and all(r.get("lastEvaluation", "").startswith("2") for r in rules)
+        return len(rules) == 5 and all(r.get("lastEvaluation", "").startswith("2") for r in rules)
 
     _wait(rules_evaluated, "the alert rules to be evaluated", timeout=30)
     unhealthy = [

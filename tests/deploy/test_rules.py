@@ -26,7 +26,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_rules_file_passes_promtool_check() -> None:
     result = _promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout + result.stderr
+    assert "SUCCESS: 5 rules found" in result.stdout + result.stderr
 
 
 def test_promtool_check_rejects_a_broken_rule(tmp_path: Path) -> None:
@@ -152,6 +152,23 @@ def test_alerts_fire_on_their_conditions_and_not_before(tmp_path: Path) -> None:
                 _alert("BatonFailureBudgetNearlySpent", "4m", job),
                 _alert("BatonFailureBudgetNearlySpent", "6m", job),
             ],
+        },
+        {
+            # Goodput 0.7 from t=0: pending for 30 minutes, then firing; 0.85 never fires, and a
+            # dip below 0.8 that recovers within 30 minutes does not either.
+            "interval": "1m",
+            "input_series": [{"series": f"baton_goodput_ratio{{{sel}}}", "values": "0.7x60"}],
+            "alert_rule_test": [
+                _alert("BatonLowGoodput", "25m"),
+                _alert("BatonLowGoodput", "35m", job),
+            ],
+        },
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": f"baton_goodput_ratio{{{sel}}}", "values": "0.7x20 0.85x40"},
+            ],
+            "alert_rule_test": [_alert("BatonLowGoodput", "45m")],
         },
     ]
     # Both outcomes are covered for every alert: it fires, and it stays quiet.
