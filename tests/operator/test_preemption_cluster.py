@@ -18,6 +18,9 @@ import pytest
 from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, unique
 
 pytestmark = pytest.mark.cluster
+# One operator process for all of this module's tests (baton_testing.operator_fixtures: an
+# operator's stop costs about 6 s of teardown, per test when each test had its own).
+SHARED_OPERATOR = True
 
 STEPS = 40
 HINTS = {
