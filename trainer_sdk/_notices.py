@@ -56,7 +56,7 @@ class StatusReporter:
         self._lock = threading.Lock()
         self._last_beat = 0.0
         self._progress: tuple[float, int] | None = None
-        """(monotonic time, step) of the last heartbeat that carried a training step."""
+        """(monotonic time, step) of the first training step this process reported."""
         self._status = Status(
             state=State.IDLE, local_rank=local_rank, local_world_size=local_world_size
         )
@@ -80,22 +80,30 @@ class StatusReporter:
     def heartbeat(self, step: int | None = None) -> None:
         """Rewrite the status with a fresh heartbeat, at most every ``HEARTBEAT_EVERY_S``.
 
-        ``step``: the training step just finished; reported as ``train_step``, with the mean
-        wall seconds per step since the previous heartbeat that carried one (``step_seconds``).
+        ``step``: the training step just finished, reported as ``train_step``, with the mean
+        wall seconds per step since the first step this process reported (``step_seconds``).
+        The first step and the first one after it are written at once, whatever the
+        throttle, so that the operator learns a new attempt's progress and step time from
+        its first steps (restart time, goodput).
         """
         now = time.monotonic()
-        if now - self._last_beat < HEARTBEAT_EVERY_S:
+        eager = False
+        if step is not None:
+            if self._progress is None:
+                self._progress = (now, step)
+                eager = True
+            elif self._status.step_seconds is None and step > self._progress[1]:
+                eager = True
+        if not eager and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
         self._last_beat = now
-        if step is None:
+        if step is None or self._progress is None:
             self.update()
             return
         changes: dict[str, Any] = {"train_step": step}
-        previous = self._progress
-        if previous is not None and step > previous[1]:
-            changes["step_seconds"] = round((now - previous[0]) / (step - previous[1]), 6)
-        if previous is None or step != previous[1]:
-            self._progress = (now, step)
+        first_at, first_step = self._progress
+        if step > first_step:
+            changes["step_seconds"] = round((now - first_at) / (step - first_step), 6)
         self.update(**changes)
 
     def _write(self, status: Status) -> None:

@@ -329,8 +329,8 @@ class Status:
     """The last training step the loop finished, as of ``heartbeat`` (the operator's count of
     steps an interruption lost; refreshed with the heartbeat, so it may lag a few seconds)."""
     step_seconds: float | None = None
-    """Mean wall seconds per training step between the last two heartbeats that saw progress
-    (saves in between included): the operator's estimate of what a lost step cost."""
+    """Mean wall seconds per training step since the first step this process reported (saves
+    in between included): the operator's estimate of what a lost step cost."""
     updated: datetime = dataclasses.field(default_factory=utcnow)
     """When ``state`` last changed."""
     pid: int = dataclasses.field(default_factory=os.getpid)

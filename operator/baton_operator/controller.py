@@ -598,6 +598,13 @@ class Reconciler:
                 )
         if fields:
             await self._patch(t, t.patch().set(fields))
+        history = fields.get("interruptions") or raw.get("interruptions") or []
+        started = parse_time(raw.get("attemptStartedAt"))
+        if economics.eager(history, attempt=t.status.attempt, now_progress=now_progress,
+                           started=started, now=now):  # fmt: skip
+            # A new attempt's first steps say when training resumed and what a step costs:
+            # read them at the next tick, not a progress period later.
+            t.memory.next_progress_poll = now + timedelta(seconds=self._config.tick_seconds)
 
     async def _check_resume(self, t: Tick) -> None:
         """Make ``status.resumedFromStep`` the step the ranks actually loaded.

@@ -35,12 +35,14 @@ from .notices import parse_time
 from .reports import SidecarStatus
 
 __all__ = [
+    "EAGER_SECONDS",
     "GOODPUT_WRITE_SECONDS",
     "HISTORY_LIMIT",
     "Cause",
     "Goodput",
     "Progress",
     "appended",
+    "eager",
     "entry",
     "filled_restart",
     "goodput",
@@ -48,6 +50,9 @@ __all__ = [
     "progress",
 ]
 
+EAGER_SECONDS: Final = 120.0
+"""Seconds from an attempt's start during which its first progress reports are polled every
+tick (an attempt's pods usually start and restore well within it)."""
 GOODPUT_WRITE_SECONDS: Final = 30.0
 """Seconds between writes of ``status.goodput`` while a job trains (the gauge follows every
 poll; the status need not cost a write every few seconds per job)."""
@@ -192,6 +197,26 @@ def filled_restart(
     out = [dict(e) for e in history]
     out[-1]["restartSeconds"] = max(0.0, round((now_progress.at - start).total_seconds(), 3))
     return out
+
+
+def eager(
+    history: Sequence[Mapping[str, Any]],
+    *,
+    attempt: int,
+    now_progress: Progress,
+    started: datetime | None,
+    now: datetime,
+) -> bool:
+    """Whether to poll the sidecars every tick rather than every progress period: in the
+    first :data:`EAGER_SECONDS` of an attempt, until its step time is known and the last
+    interruption's restart time is filled (the SDK writes its first two steps at once)."""
+    if started is None or (now - started).total_seconds() > EAGER_SECONDS:
+        return False
+    pending = bool(history) and (
+        history[-1].get("restartSeconds") is None
+        and int(history[-1].get("attempt", attempt)) < attempt
+    )
+    return pending or now_progress.step_seconds is None
 
 
 @dataclass(frozen=True, kw_only=True)

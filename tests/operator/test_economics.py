@@ -171,3 +171,21 @@ def test_goodput_is_productive_step_time_over_wall_time_less_suspended_time() ->
         )
         is None
     )
+
+
+def test_a_new_attempt_is_polled_eagerly_until_its_step_time_and_restart_are_known() -> None:
+    pending = [{"attempt": 0, "at": "2026-03-01T12:00:00Z"}]
+    filled = [{**pending[0], "restartSeconds": 30.0}]
+    started = T0
+    soon = T0 + timedelta(seconds=10)
+    known = Progress(step=12, at=soon, step_seconds=0.3)
+
+    def eager(history: list[Any], progress: Progress, now: datetime = soon) -> bool:
+        return economics.eager(history, attempt=1, now_progress=progress, started=started, now=now)
+
+    assert eager(pending, known), "the restart time is still to fill"
+    assert eager(filled, Progress(step=11, at=soon)), "no step time yet"
+    assert not eager(filled, known), "both known: back to the progress period"
+    assert not eager([], known)
+    late = T0 + timedelta(seconds=economics.EAGER_SECONDS + 1)
+    assert not eager(pending, Progress(), late), "bounded: an SDK that never reports"

@@ -23,6 +23,12 @@ class _Clock:
         return self.now
 
 
+def _read(channel: ControlChannel) -> Status:
+    status = channel.read_status()
+    assert status is not None
+    return status
+
+
 def test_heartbeats_report_the_step_and_the_mean_step_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -31,35 +37,51 @@ def test_heartbeats_report_the_step_and_the_mean_step_time(
     channel = ControlChannel(tmp_path)
     reporter = StatusReporter(channel, local_rank=0, local_world_size=1)
 
-    reporter.heartbeat(3)
-    first = channel.read_status()
-    assert first is not None
+    reporter.heartbeat(3)  # a resumed attempt's first step
+    first = _read(channel)
     assert first.train_step == 3
     assert first.step_seconds is None, "one point gives no rate"
 
-    # Steps 4..9 within the throttle: nothing is written.
-    for step in range(4, 10):
+    # The next step is written at once, throttle or not: the operator learns the step time
+    # from an attempt's first two steps.
+    clock.now += 0.5
+    reporter.heartbeat(4)
+    second = _read(channel)
+    assert (second.train_step, second.step_seconds) == (4, 0.5)
+
+    # Then the throttle holds: steps 5..9 within HEARTBEAT_EVERY_S write nothing.
+    for step in range(5, 10):
         clock.now += 0.5
         reporter.heartbeat(step)
-    held = channel.read_status()
-    assert held is not None
-    assert held.train_step == 3
+    assert _read(channel).train_step == 4
 
-    # 20 steps of 0.5 s since the last written step: 0.5 s per step.
-    clock.now = 1000.0 + 20 * 0.5
-    assert clock.now - 1000.0 >= HEARTBEAT_EVERY_S
+    # The mean since the first reported step: 20 steps in 12 s.
+    clock.now = 1000.0 + 12.0
+    assert clock.now - 1000.5 >= HEARTBEAT_EVERY_S
     reporter.heartbeat(23)
-    second = channel.read_status()
-    assert second is not None
-    assert second.train_step == 23
-    assert second.step_seconds == pytest.approx(0.5)
+    third = _read(channel)
+    assert third.train_step == 23
+    assert third.step_seconds == pytest.approx(0.6)
 
     # A heartbeat without a step (a save's wait) keeps both fields.
     clock.now += HEARTBEAT_EVERY_S
     reporter.heartbeat()
-    third = channel.read_status()
-    assert third is not None
-    assert (third.train_step, third.step_seconds) == (23, 0.5)
+    fourth = _read(channel)
+    assert (fourth.train_step, fourth.step_seconds) == (23, pytest.approx(0.6))
+
+
+def test_the_same_step_again_is_not_written_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(_notices.time, "monotonic", clock)
+    channel = ControlChannel(tmp_path)
+    reporter = StatusReporter(channel, local_rank=0, local_world_size=1)
+    reporter.heartbeat(7)
+    written = _read(channel).heartbeat
+    clock.now += 0.1
+    reporter.heartbeat(7)
+    assert _read(channel).heartbeat == written, "no rate to learn from the same step"
 
 
 def test_the_fields_round_trip_and_are_optional() -> None:
