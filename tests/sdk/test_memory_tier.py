@@ -128,6 +128,35 @@ def test_fast_every_steps_needs_a_directory_and_the_env_form_works(
     assert _snapshot_dirs(tmp_path / "fast") == ["step-000000000002"]
 
 
+def test_a_notice_is_served_by_a_durable_save_before_any_snapshot(tmp_path: Path) -> None:
+    fast, uri = tmp_path / "fast", tmp_path / "ck"
+    model, opt = _model()
+    with trainer_sdk.Checkpointer(
+        uri, model=model, optimizer=opt, fast_every_steps=1, fast_dir=fast, async_save=True,
+        handle_sigterm=False,
+    ) as ck:  # fmt: skip
+        ck.restore()
+        for step in range(1, 10):
+            _train(model, opt, step)
+            if step == 4:
+                ck.request_checkpoint(reason="test notice")
+            if ck.step(step):
+                break
+        want = _digest(model, opt)
+    assert step == 4
+    assert trainer_sdk.list_steps(str(uri)) == [4]  # the notice's save is durable
+    # no snapshot of the noticed step: the notice came first and training stopped
+    assert complete_steps(open_storage(str(fast)))[0] == [3]
+    model2, opt2 = _model(seed=5)
+    with trainer_sdk.Checkpointer(
+        uri, model=model2, optimizer=opt2, fast_dir=fast, handle_sigterm=False
+    ) as ck2:
+        assert ck2.restore() == 4
+        assert ck2.restored.tier == "durable"
+    assert _digest(model2, opt2) == want
+    assert _snapshot_dirs(fast) == []  # restore keeps only the snapshot it loaded (none here)
+
+
 def _trained_snapshot(tmp_path: Path, steps: int = 7) -> tuple[Path, Path, list[str]]:
     fast, uri = tmp_path / "fast", tmp_path / "ck"
     model, opt = _model()
