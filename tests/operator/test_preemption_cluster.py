@@ -10,6 +10,7 @@ job Succeeds. The node-notice test also watches the disruption hints come and go
 from __future__ import annotations
 
 import threading
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kubernetes.client
@@ -105,10 +106,64 @@ def _restarted(status: dict[str, Any]) -> bool:
     return int(status.get("attempt", 0)) >= 1 and status.get("phase") in ("Pending", "Running")
 
 
+def _time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _check_economics(
+    at_restart: dict[str, Any],
+    final: dict[str, Any],
+    *,
+    source: str,
+    node: str,
+    before: datetime,
+    seen_restart: datetime,
+    seen_final: datetime,
+) -> None:
+    """The interruption history and goodput say what happened (operator.md, "Interruption
+    history and goodput"): one notice from ``source`` on ``node`` between ``before`` (just
+    before the notice was given) and ``seen_restart``, whose save committed the step the next
+    attempt resumed from, so no step was lost; times within those bounds, never exact."""
+    earliest = before.replace(microsecond=0)  # status times are whole seconds
+    (entry,) = at_restart["interruptions"]
+    assert (entry["attempt"], entry["source"]) == (0, source), entry
+    assert node in entry["nodes"], entry
+    assert earliest <= _time(entry["noticeAt"]) <= _time(entry["at"]) <= seen_restart, entry
+    assert (
+        entry["leadSeconds"]
+        == (_time(entry["deadline"]) - _time(entry["noticeAt"])).total_seconds()
+    )
+    assert entry["leadSeconds"] > 0, entry
+    assert 0 <= entry["noticeToDurableSeconds"] <= (seen_restart - earliest).total_seconds(), entry
+    # The notice save's step is the last step: the sidecars reported no step beyond it.
+    assert entry["resumeStep"] == at_restart["resumedFromStep"], entry
+    assert 1 <= entry["lastGoodStep"] <= entry["resumeStep"], entry
+    assert (entry["stepsLost"], entry["gpus"], entry["gpuSecondsLost"]) == (0, 0, 0.0), entry
+    assert entry["stepSeconds"] > 0, entry
+    assert final["stepsLost"] == 0, final
+    (done,) = final["interruptions"]
+    # From the last good step (before the notice) to attempt 1's first step (before success).
+    restart = done["restartSeconds"]
+    assert 0 < restart <= (seen_final - _time(entry["lastGoodStepAt"])).total_seconds() + 1, done
+    goodput = final["goodput"]
+    assert 0 < goodput["ratio"] <= 1, goodput
+    assert 1 <= goodput["step"] <= STEPS, goodput
+    assert goodput["productiveSeconds"] <= goodput["wallSeconds"] + 1, goodput
+    assert abs(goodput["productiveSeconds"] - goodput["step"] * goodput["stepSeconds"]) <= 0.1
+
+
 def _check_moved_and_exact(
-    baton: Baton, job: str, noticed_node: str, watcher: PodWatcher, said: str
+    baton: Baton,
+    job: str,
+    noticed_node: str,
+    watcher: PodWatcher,
+    said: str,
+    *,
+    source: str,
+    before: datetime,
 ) -> None:
     at_restart = baton.wait_for(job, _restarted, timeout=120, what="the next attempt")
+    seen_restart = datetime.now(tz=UTC) + timedelta(seconds=1)
     last = at_restart.get("lastCheckpoint") or {}
     diag = baton.diagnostics(job)
     assert last.get("trigger") == "notice", f"the restart did not follow a notice save{diag}"
@@ -116,7 +171,8 @@ def _check_moved_and_exact(
     assert at_restart["preemptions"] == 1, diag
     assert at_restart["failures"] == 0, diag
     assert baton.resume_env(job, 1) <= {str(last["step"])}, diag
-    baton.wait_moved_once(job, noticed_node, watcher, replicas=2)
+    final = baton.wait_moved_once(job, noticed_node, watcher, replicas=2)
+    seen_final = datetime.now(tz=UTC) + timedelta(seconds=1)
     steps = baton.loss_steps(job)
     assert steps == list(range(1, STEPS + 1)), (
         f"steps lost or recomputed around the notice at {last.get('step')}: {steps}"
@@ -126,6 +182,10 @@ def _check_moved_and_exact(
     assert notices, events
     assert said in notices[0], f"the Event should name the source ({said}): {notices[0]}"
     assert "CheckpointCommitted" in events
+    _check_economics(
+        at_restart, final, source=source, node=noticed_node, before=before,
+        seen_restart=seen_restart, seen_final=seen_final,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -148,8 +208,9 @@ def test_node_notice_checkpoints_and_moves_the_job(
     baton.wait_phase(job, "Running", timeout=120)
     baton.wait_steps(job, 8)
     node = baton.node_of(job, rank)
+    before = datetime.now(tz=UTC)
     baton.cluster.preempt(node, provider=provider, grace_s=30)  # type: ignore[arg-type]
-    _check_moved_and_exact(baton, job, node, watcher, said)
+    _check_moved_and_exact(baton, job, node, watcher, said, source=provider, before=before)
     hints.stop()
     problems = hints.problems(node)
     assert not problems, f"{problems}\n{hints.seen}{baton.diagnostics(job)}"
@@ -171,10 +232,14 @@ def test_pod_disruption_target_checkpoints_and_moves_the_job(baton: Baton) -> No
     # An eviction through the Eviction API sets DisruptionTarget (EvictionByEvictionAPI) on
     # the pod and nothing on the node.
     core = kubernetes.client.CoreV1Api(baton.cluster.api)
+    before = datetime.now(tz=UTC)
     core.create_namespaced_pod_eviction(
         pod,
         NAMESPACE,
         kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod)),
     )
-    _check_moved_and_exact(baton, job, node, watcher, "pod disruption: EvictionByEvictionAPI")
+    _check_moved_and_exact(
+        baton, job, node, watcher, "pod disruption: EvictionByEvictionAPI",
+        source="disruption-target", before=before,
+    )  # fmt: skip
     baton.delete(job)
