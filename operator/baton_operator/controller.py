@@ -516,8 +516,9 @@ class Reconciler:
             )  # fmt: skip
             return
         # Fall back to the newest step every rank is known to have committed.
-        last = status.last_checkpoint
-        best = reports.fallback_step(last, memory.reports.values())
+        best, extra = reports.fallback_fields(
+            status.last_checkpoint, memory.reports.values(), uri=spec.checkpoint_uri, now=iso(now)
+        )
         # Not "work after it is lost": the ranks load the newest committed step, and a notice
         # save that committed unseen (its sidecars gone during an API outage) is then reported
         # as ResumeStepCorrected.
@@ -527,14 +528,6 @@ class Reconciler:
             "from a newer step committed unseen"
         )  # fmt: skip
         await self._event(t.job, "Warning", "CheckpointFallback", message)
-        extra: dict[str, Any] = {}
-        if best is not None and (last is None or best > last.step):
-            extra["lastCheckpoint"] = LastCheckpoint(
-                step=best,
-                uri=spec.checkpoint_uri,
-                trigger=Trigger.PERIODIC.value,
-                completed_at=iso(now),
-            ).to_status()
         await self._restart(
             t, kind="preemption", resume_step=best, detail=f"{source} notice, {verdict.reason}",
             extra=extra, cause=self._notice_cause(notice, durable_at=None),

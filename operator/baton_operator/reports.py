@@ -14,12 +14,13 @@ from typing import Any
 
 from .model import LastCheckpoint
 from .notices import parse_time
-from .vocabulary import EMERGENCY_TRIGGERS, SaveState
+from .vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 
 __all__ = [
     "SidecarStatus",
     "answers",
     "committed_notice",
+    "fallback_fields",
     "fallback_step",
     "loaded_step",
     "served_notice",
@@ -124,6 +125,21 @@ def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus])
     steps = [last.step] if last is not None else []
     steps.extend(s for r in reports if (s := r.committed_step) is not None)
     return max(steps) if steps else None
+
+
+def fallback_fields(
+    last: LastCheckpoint | None, reports: Iterable[SidecarStatus], *, uri: str, now: str
+) -> tuple[int | None, dict[str, Any]]:
+    """A save that did not complete: the step the restart resumes from (:func:`fallback_step`)
+    and the status fields to write with it (a ``lastCheckpoint`` when a rank reported a newer
+    commit than the job's status knew; ``now`` is its ISO completion time)."""
+    best = fallback_step(last, reports)
+    fields: dict[str, Any] = {}
+    if best is not None and (last is None or best > last.step):
+        fields["lastCheckpoint"] = LastCheckpoint(
+            step=best, uri=uri, trigger=Trigger.PERIODIC.value, completed_at=now
+        ).to_status()
+    return best, fields
 
 
 def loaded_step(reports: Iterable[SidecarStatus]) -> int | None:

@@ -135,8 +135,10 @@ class Suspender:
                 extra={"lastCheckpoint": checkpoint.to_status()},
             )  # fmt: skip
             return
-        last = status.last_checkpoint
-        best = reports.fallback_step(last, t.memory.reports.values())
+        best, extra = reports.fallback_fields(
+            status.last_checkpoint, t.memory.reports.values(), uri=spec.checkpoint_uri,
+            now=iso(now),
+        )  # fmt: skip
         step = "no step was committed yet" if best is None else f"the last committed step is {best}"
         message = (
             f"the suspend's checkpoint did not complete ({verdict.reason}); the pods are "
@@ -144,14 +146,6 @@ class Suspender:
             + ("the start" if best is None else "it (or from a newer step committed unseen)")
         )
         await self._event(t.job, "Warning", "CheckpointFallback", message)
-        extra: dict[str, Any] = {}
-        if best is not None and (last is None or best > last.step):
-            extra["lastCheckpoint"] = LastCheckpoint(
-                step=best,
-                uri=spec.checkpoint_uri,
-                trigger=Trigger.PERIODIC.value,
-                completed_at=iso(now),
-            ).to_status()
         await self._restart(
             t, kind="suspend", resume_step=best,
             detail=f"its checkpoint did not complete ({verdict.reason}); {step}",

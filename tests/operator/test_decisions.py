@@ -17,7 +17,7 @@ from baton_operator.lifecycle import Phase
 from baton_operator.model import LastCheckpoint
 from baton_operator.nodes import ClusterView
 from baton_operator.pods import PodView, delete_grace, notice_for, noticed_nodes
-from baton_operator.reports import SidecarStatus, fallback_step
+from baton_operator.reports import SidecarStatus, fallback_fields, fallback_step
 from baton_operator.settings import OperatorConfig
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -131,6 +131,18 @@ def test_fallback_step_is_the_newest_any_rank_or_the_status_knows() -> None:
     assert fallback_step(last, reports) == 30
     assert fallback_step(LastCheckpoint(step=50), reports) == 50
     assert fallback_step(None, [SidecarStatus(state="idle")]) is None
+    # What a restart after an incomplete save writes: lastCheckpoint only when a rank knows
+    # of a newer commit than the status does.
+    now = "2026-12-01T12:00:00Z"
+    best, fields = fallback_fields(last, reports, uri="s3://b/j", now=now)
+    assert best == 30
+    assert fields == {
+        "lastCheckpoint": LastCheckpoint(
+            step=30, uri="s3://b/j", trigger="periodic", completed_at=now
+        ).to_status()
+    }
+    assert fallback_fields(LastCheckpoint(step=50), reports, uri="u", now=now) == (50, {})
+    assert fallback_fields(None, [], uri="u", now=now) == (None, {})
 
 
 def test_job_status_parses_the_body() -> None:
