@@ -218,7 +218,10 @@ async def _operate(config: OperatorConfig) -> None:
     registry.leader.set(1)
     stop_keeping, keeper = _keep_lease(elector)
     try:
-        await kopf.operator(memo=memo, stop_flag=stop, **kopf_operator_args(config))
+        # kopf installs its own SIGTERM/SIGINT handlers (over the ones above) and stops on
+        # them. No stop_flag: kopf would leave its waiter task pending after a signal and wait
+        # 5 s for it on every stop (a rolling update's leaderless gap, measured in the tests).
+        await kopf.operator(memo=memo, **kopf_operator_args(config))
     finally:
         # Renewals end before the release, or one could take the released Lease back.
         stop_keeping.set()

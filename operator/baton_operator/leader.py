@@ -280,3 +280,8 @@ class LeaderElector:
             await self._client.update(lease, spec)
         except KubeError as e:
             _log.warning("leader election: could not release the Lease: %s", e)
+        else:
+            _log.info(
+                "leader election: %s released Lease %s/%s", self.identity,
+                self._client.namespace, self._client.name,
+            )  # fmt: skip

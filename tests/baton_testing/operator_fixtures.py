@@ -10,10 +10,9 @@ these fixtures.
 
 A test module that sets ``SHARED_OPERATOR = True`` gets one operator process for all of its
 tests (``module_operator``) instead of one per test, as one operator serves many jobs in a real
-cluster. Started per test, an operator cost its start (about 1 s) and, above all, its stop: a
-leader-elected ``baton-operator`` takes about 5.5 s to exit after SIGTERM (kopf waits 5 s for
-the ``stop_flag`` waiter that its own signal handler left pending; a ``--standalone`` one exits
-in 0.3 s), about 6 s of every test's teardown. What each test relies on is kept: a running
+cluster. Started per test, an operator costs its start (about 1 s) and its stop (about 0.6 s
+since the operator stopped handing kopf a ``stop_flag``, which kopf then waited 5 s for; it was
+about 6 s of every test's teardown). What each test relies on is kept: a running
 operator when it starts (started again if the test before killed it, or it exited), a working
 directory of its own, uniquely named jobs, and metrics read per job.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +124,23 @@ def test_two_operators_one_acts_through_a_preemption(
         assert token not in text, f"the sidecar token is in the {where}"
         assert S3_SECRET not in text, f"the template's S3 secret is in the {where}"
     baton.delete(job)
+    # A rolling update: the active replica gets SIGTERM, stops, releases the Lease, and the
+    # standby acts without waiting for the Lease to expire.
+    began = time.monotonic()
+    active.stop()
+    stopped = time.monotonic() - began
+    poll(
+        lambda: baton.lease_holder() == passive.identity,
+        timeout=60,
+        what="the standby to hold the Lease after the active replica's SIGTERM",
+        diag=lambda: f"\nholder: {baton.lease_holder()!r}\n--- stopped log ---\n{active.tail()}",
+    )
+    print(f"SIGTERM to exit of the active operator: {stopped:.1f}s; standby holds the Lease "
+          f"{time.monotonic() - began:.1f}s after the SIGTERM")  # fmt: skip
+    assert "Signal SIGTERM is received" in active.log.read_text(errors="replace"), active.tail()
+    assert f"{active.identity} released Lease" in active.log.read_text(errors="replace"), (
+        active.tail()
+    )
 
 
 def test_kill_9_of_the_active_operator_at_checkpointing(
