@@ -343,7 +343,9 @@ class Checkpointer:
         self._last_save_time = self._clock()
         if tier == DURABLE:
             self._last_committed = loaded
-            self._reporter.update(last_committed_step=loaded)
+            self._reporter.update(last_committed_step=loaded, restored_step=loaded)
+        else:
+            self._reporter.update(restored_step=loaded)
         return loaded
 
     def step(self, step: int) -> bool:

@@ -325,6 +325,10 @@ class Status:
     """Bytes the last save wrote (all ranks together, as far as rank 0 knows)."""
     last_committed_step: int | None = None
     """The newest step known to be committed, whatever the state is now."""
+    restored_step: int | None = None
+    """The step this process restored at start-up (from either tier), kept for its whole
+    life: the operator checks the attempt's resume step against it whenever it polls, also
+    after the first save (``None``: it started from scratch, or has not restored yet)."""
     train_step: int | None = None
     """The last training step the loop finished, as of ``heartbeat`` (the operator's count of
     steps an interruption lost; refreshed with the heartbeat, so it may lag a few seconds)."""
@@ -364,6 +368,7 @@ class Status:
             "phases": {str(k): float(v) for k, v in self.phases.items()},
             "bytes": self.bytes,
             "last_committed_step": self.last_committed_step,
+            "restored_step": self.restored_step,
             "train_step": self.train_step,
             "step_seconds": self.step_seconds,
             "updated": format_rfc3339(self.updated),
@@ -405,6 +410,7 @@ class Status:
             phases={str(k): float(v) for k, v in raw_phases.items()},
             bytes=_get(data, "bytes", int),
             last_committed_step=_get(data, "last_committed_step", int),
+            restored_step=_get(data, "restored_step", int),
             train_step=_get(data, "train_step", int),
             step_seconds=None if step_seconds is None else float(step_seconds),
             updated=updated if updated is not None else now,

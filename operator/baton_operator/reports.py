@@ -42,6 +42,8 @@ class SidecarStatus:
     trigger: str | None = None
     last_committed_step: int | None = None
     """The newest step this rank knows committed (periodic saves included)."""
+    restored_step: int | None = None
+    """The step this rank's trainer restored at start-up (SDKs before it: None)."""
     train_step: int | None = None
     """The last training step the rank's loop finished, as of ``heartbeat``."""
     step_seconds: float | None = None
@@ -68,6 +70,7 @@ class SidecarStatus:
             request_id=raw.get("request_id"),
             trigger=raw.get("trigger"),
             last_committed_step=opt_int("last_committed_step"),
+            restored_step=opt_int("restored_step"),
             train_step=opt_int("train_step"),
             step_seconds=None if step_seconds is None else float(step_seconds),
             heartbeat=parse_time(raw.get("heartbeat")),
@@ -145,16 +148,20 @@ def fallback_fields(
 def loaded_step(reports: Iterable[SidecarStatus]) -> int | None:
     """The step an attempt's ranks restored, as their sidecars report it; None when unknown.
 
-    The SDK reports ``idle`` from start-up until its first save, and sets
-    ``last_committed_step`` to the step it restored: so an ``idle`` report with a step names
-    the step that rank loaded. It loads the newest complete step (newer than
-    ``BATON_RESUME_STEP`` if one committed that the operator never heard of, as when a restarted
-    operator fell back while the ranks' notice save had in fact committed). None when no rank
-    says yet, or when the ranks that say disagree (then nothing is claimed).
+    The SDK reports ``restored_step`` for the life of the process. The ranks load the newest
+    complete step (newer than ``BATON_RESUME_STEP`` if one committed that the operator never
+    heard of, as when the operator fell back while the ranks' notice save had in fact
+    committed during an API outage). An SDK without ``restored_step`` says it only until its
+    first save: ``idle`` with ``last_committed_step`` set at the restore (a save one step
+    after the resume could hide it). None when no rank says yet, or when the ranks that say
+    disagree (then nothing is claimed).
     """
-    steps = {
-        r.last_committed_step
-        for r in reports
-        if r.state == SaveState.IDLE and r.last_committed_step is not None
-    }
+    reports = list(reports)
+    steps = {r.restored_step for r in reports if r.restored_step is not None}
+    if not steps:
+        steps = {
+            r.last_committed_step
+            for r in reports
+            if r.state == SaveState.IDLE and r.last_committed_step is not None
+        }
     return steps.pop() if len(steps) == 1 else None

@@ -615,6 +615,13 @@ def test_ranks_that_disagree_or_have_saved_since_claim_no_loaded_step() -> None:
     assert loaded_step([SidecarStatus(state="idle", last_committed_step=24)] * 2) == 24
     assert loaded_step([SidecarStatus(state="idle")]) is None, "not restored yet, or scratch"
     assert loaded_step([SidecarStatus(state="committed", step=30, last_committed_step=30)]) is None
+    # The SDK's restored_step outlives the first save: a resume one step before a periodic
+    # save was missed when only an idle report could say it (an API outage test in CI).
+    saved_since = SidecarStatus(
+        state="committed", step=25, last_committed_step=25, restored_step=24
+    )
+    assert loaded_step([saved_since, SidecarStatus(state="saving", restored_step=24)]) == 24
+    assert loaded_step([saved_since, SidecarStatus(state="idle", restored_step=20)]) is None
     assert (
         loaded_step(
             [

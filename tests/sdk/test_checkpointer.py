@@ -386,6 +386,28 @@ def test_a_periodic_save_reports_committed_without_a_request(
     assert "write" in status.phases
     assert status.uri is not None
     assert status.uri.endswith("step-000000000002")
+    assert status.restored_step is None, "it started from scratch"
+
+    # A resumed process reports the step it restored for its whole life, after its next save
+    # too (the operator corrects status.resumedFromStep from it whenever it polls).
+    with Checkpointer(
+        str(tmp_path / "ck"),
+        model=model,
+        optimizer=opt,
+        every_steps=2,
+        control_dir=str(ctl),
+        async_save=async_save,
+    ) as ck:
+        assert ck.restore() == 2
+        resumed = ControlChannel(ctl).read_status()
+        assert resumed is not None
+        assert (resumed.state, resumed.restored_step) == (State.IDLE, 2)
+        for step in (3, 4):
+            _train(model, opt)
+            assert ck.step(step) is False
+    status = ControlChannel(ctl).read_status()
+    assert status is not None
+    assert (status.state, status.step, status.restored_step) == (State.COMMITTED, 4, 2)
 
 
 def test_a_control_request_with_a_too_short_deadline_is_skipped(tmp_path: Path) -> None:
