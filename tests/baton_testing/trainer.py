@@ -412,5 +412,19 @@ def read_loss_log(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     return lines
 
 
+def loss_logs(out: str | os.PathLike[str], world_size: int) -> dict[int, dict[int, list[str]]]:
+    """rank -> step -> every loss that rank logged for that step, over all attempts.
+
+    The trainer writes rank 0's losses to ``loss.log`` and rank r's to ``loss.log.rank{r}``;
+    a step logged twice was recomputed after a resume.
+    """
+    logs: dict[int, dict[int, list[str]]] = {}
+    for rank in range(world_size):
+        path = Path(out) / ("loss.log" if rank == 0 else f"loss.log.rank{rank}")
+        for step, loss in read_loss_log(path):
+            logs.setdefault(rank, {}).setdefault(step, []).append(loss)
+    return logs
+
+
 if __name__ == "__main__":
     sys.exit(main())

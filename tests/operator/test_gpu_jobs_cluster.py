@@ -153,16 +153,6 @@ def test_a_quota_refusal_is_reported_and_retried_with_backoff(baton: Baton) -> N
     baton.delete(job)
 
 
-def _loss_logs(out: Path) -> dict[int, dict[int, list[str]]]:
-    """rank -> step -> every loss logged for that step (all attempts)."""
-    logs: dict[int, dict[int, list[str]]] = {}
-    for rank in range(WORLD):
-        path = out / ("loss.log" if rank == 0 else f"loss.log.rank{rank}")
-        for step, loss in trainer.read_loss_log(path):
-            logs.setdefault(rank, {}).setdefault(step, []).append(loss)
-    return logs
-
-
 def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
     """The same training, uninterrupted, as 4 local processes (no launcher, no cluster)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -171,7 +161,7 @@ def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]
         "--loss-log", str(tmp / "loss.log"), "--result", str(tmp / "result.json"),
     ]  # fmt: skip
     trainer.run(WORLD, args, workdir=tmp / "out", timeout=600)
-    return json.loads((tmp / "result.json").read_text()), _loss_logs(tmp)
+    return json.loads((tmp / "result.json").read_text()), trainer.loss_logs(tmp, WORLD)
 
 
 def test_torchrun_2x2_gpus_survives_a_spot_notice_bitwise(baton: Baton, tmp_path: Path) -> None:
@@ -223,7 +213,7 @@ def test_torchrun_2x2_gpus_survives_a_spot_notice_bitwise(baton: Baton, tmp_path
 
     # No step lost or recomputed on any rank, and every loss and the final state equal the
     # uninterrupted 4-rank run bit for bit.
-    got = _loss_logs(out)
+    got = trainer.loss_logs(out, WORLD)
     ref_result, ref_logs = _reference(tmp_path / "reference")
     for rank in range(WORLD):
         steps = sorted(got.get(rank, {}))

@@ -52,16 +52,6 @@ def _kueue_problems(baton: Baton, job: str, attempt: int) -> list[str]:
     return found
 
 
-def _loss_logs(out: Path) -> dict[int, dict[int, list[str]]]:
-    """rank -> step -> every loss logged for that step (all attempts)."""
-    logs: dict[int, dict[int, list[str]]] = {}
-    for rank in range(2):
-        path = out / ("loss.log" if rank == 0 else f"loss.log.rank{rank}")
-        for step, loss in trainer.read_loss_log(path):
-            logs.setdefault(rank, {}).setdefault(step, []).append(loss)
-    return logs
-
-
 def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
     """The same training, uninterrupted, as 2 local processes (no pods, no operator)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -70,7 +60,7 @@ def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]
         "--loss-log", str(tmp / "loss.log"), "--result", str(tmp / "result.json"),
     ]  # fmt: skip
     trainer.run(2, args, workdir=tmp / "out", timeout=300)
-    return json.loads((tmp / "result.json").read_text()), _loss_logs(tmp)
+    return json.loads((tmp / "result.json").read_text()), trainer.loss_logs(tmp, 2)
 
 
 def test_suspend_checkpoints_stops_every_pod_and_resumes_bitwise(
@@ -124,7 +114,7 @@ def test_suspend_checkpoints_stops_every_pod_and_resumes_bitwise(
 
     # No step lost or recomputed on either rank, and every loss and the final state equal
     # the uninterrupted run bit for bit.
-    got = _loss_logs(out)
+    got = trainer.loss_logs(out, 2)
     for rank in range(2):
         steps = sorted(got.get(rank, {}))
         assert steps == list(range(1, STEPS + 1)), f"rank {rank} logged steps {steps}"
