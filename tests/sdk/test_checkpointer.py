@@ -359,14 +359,18 @@ def test_a_periodic_save_reports_committed_without_a_request(
     # served notice, so it carries no request id and the trigger says periodic.
     model, opt = _model()
     ctl = tmp_path / "ctl"
-    with Checkpointer(
-        str(tmp_path / "ck"),
-        model=model,
-        optimizer=opt,
-        every_steps=2,
-        control_dir=str(ctl),
-        async_save=async_save,
-    ) as ck:
+
+    def checkpointer() -> Checkpointer:
+        return Checkpointer(
+            str(tmp_path / "ck"),
+            model=model,
+            optimizer=opt,
+            every_steps=2,
+            control_dir=str(ctl),
+            async_save=async_save,
+        )
+
+    with checkpointer() as ck:
         assert ck.restore() == 0
         for step in (1, 2):
             _train(model, opt)
@@ -390,14 +394,7 @@ def test_a_periodic_save_reports_committed_without_a_request(
 
     # A resumed process reports the step it restored for its whole life, after its next save
     # too (the operator corrects status.resumedFromStep from it whenever it polls).
-    with Checkpointer(
-        str(tmp_path / "ck"),
-        model=model,
-        optimizer=opt,
-        every_steps=2,
-        control_dir=str(ctl),
-        async_save=async_save,
-    ) as ck:
+    with checkpointer() as ck:
         assert ck.restore() == 2
         resumed = ControlChannel(ctl).read_status()
         assert resumed is not None
