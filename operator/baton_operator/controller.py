@@ -48,6 +48,7 @@ from .sidecars import SidecarClient
 from .suspending import Suspender
 from .tick import JobMemory, Tick
 from .vocabulary import Trigger
+from .watchcache import WatchCache
 from .writing import EventPoster, StatusWriter
 
 __all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
@@ -57,6 +58,11 @@ _log = logging.getLogger(__name__)
 _CONFLICT_RETRIES: Final = 3
 """Fresh reads a tick makes after its guarded write lost a race, before it gives up (the
 daemon then backs off and tries again)."""
+
+_RESYNC_SECONDS: Final = 30.0
+"""How often a job's tick reads the job and its pods through the API although the watch cache
+holds them: a watch that reconnected after a gap re-lists what exists but reports no deletion
+that happened in the gap (kopf does not), and this bounds how long such a ghost can last."""
 
 
 def _now() -> datetime:
@@ -93,8 +99,11 @@ class Reconciler:
         config: OperatorConfig,
         post_event: EventPoster,
         token_for: Callable[[JobSpec], str],
+        cache: WatchCache | None = None,
     ) -> None:
         self._kube = kube
+        self._cache = cache
+        """The watch cache the ticks read from; None: every tick reads through the API."""
         self._token_for = token_for
         """The sidecar token of a job (tokens.derive under the operator's key): the operator
         never reads a job's Secret back (docs/operator.md, Security policy)."""
@@ -115,6 +124,8 @@ class Reconciler:
         """The job was deleted: stop counting it and drop its metric series."""
         self._metrics.job_phase(namespace, name, None)
         self._metrics.job_deleted(namespace, name)
+        if self._cache is not None:
+            self._cache.forget_job(namespace, name)
 
     # ----------------------------------------------------------------- entry point
 
@@ -123,19 +134,60 @@ class Reconciler:
         or finished (the daemon may stop).
 
         A status write that lost a race (:class:`KubeConflictError`) starts the tick again
-        from a fresh read, at most ``_CONFLICT_RETRIES`` times.
+        from a fresh read through the API (not the watch cache), at most
+        ``_CONFLICT_RETRIES`` times.
         """
         for retry in range(_CONFLICT_RETRIES + 1):
             try:
-                return await self._tick(namespace, name, memory)
+                return await self._tick(namespace, name, memory, fresh=retry > 0)
             except KubeConflictError as e:
                 if retry == _CONFLICT_RETRIES:
                     raise
                 _log.info("%s/%s: %s; deciding again from a fresh read", namespace, name, e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _tick(self, namespace: str, name: str, memory: JobMemory) -> float | None:
+    async def _read_job(
+        self, namespace: str, name: str, memory: JobMemory, *, fresh: bool
+    ) -> Mapping[str, Any] | None:
+        """The job (None: gone), from the watch cache when it is known to be at least as new
+        as this daemon's last write, else through the API (which refreshes the cache)."""
+        cache = self._cache
+        if cache is not None and not fresh:
+            body = cache.job(namespace, name)
+            if body is not None and cache.job_at_least(namespace, name, memory.written_version):
+                return body
         job = await self._kube.get_job(namespace, name)
+        if job is not None and cache is not None:
+            cache.put_job(job)
+        return job
+
+    async def _read_pods(self, spec: JobSpec, *, fresh: bool) -> list[Mapping[str, Any]]:
+        """The job's pods, from the watch cache once a LIST has covered them, else (and when
+        ``fresh``) through a LIST that is merged into the cache."""
+        cache = self._cache
+        selector = manifests.job_selector(spec.name)
+        if cache is None:
+            return list(await self._kube.list_pods(spec.namespace, selector))
+        if not fresh and cache.pods_known(spec.namespace, spec.name):
+            return cache.pods(spec.namespace, spec.name)
+        since = cache.seq
+        items = await self._kube.list_pods(spec.namespace, selector)
+        cache.merge_pods(spec.namespace, spec.name, items, since=since)
+        return list(items)
+
+    async def _tick(
+        self, namespace: str, name: str, memory: JobMemory, *, fresh: bool = False
+    ) -> float | None:
+        # The daemon's first tick reads through the API: after an operator restart or a
+        # failover the other replica's last writes may not have reached this watch yet, and
+        # this daemon is then the status's only writer (its writes set written_version).
+        started = _now()
+        fresh = (
+            fresh
+            or memory.synced_at is None
+            or ((started - memory.synced_at).total_seconds() >= _RESYNC_SECONDS)
+        )
+        job = await self._read_job(namespace, name, memory, fresh=fresh)
         if job is None:
             self.forget(namespace, name)
             return None
@@ -157,10 +209,9 @@ class Reconciler:
         if phase is None:
             await self._creator.start(t)
             return tick
-        pods = [
-            PodView.from_body(p)
-            for p in await self._kube.list_pods(namespace, manifests.job_selector(spec.name))
-        ]
+        pods = [PodView.from_body(p) for p in await self._read_pods(spec, fresh=fresh)]
+        if fresh:
+            memory.synced_at = started
         # Derived from the phase on every tick, so no hint outlives its save (restarts too).
         await self._hint(t, pods, phase)
         if phase in (Phase.SUCCEEDED, Phase.FAILED):

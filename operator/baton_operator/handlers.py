@@ -3,9 +3,13 @@
 - One daemon per TrainingJob runs ``Reconciler.tick`` about once a second, until the job
   is Succeeded, Failed or deleted. kopf restarts the daemons when the operator restarts, and
   the tick carries on from the job's status (the controller's docstring says how).
-- The Node watch feeds :class:`ClusterView` (readiness and notices).
-- The Pod watch (Baton's pods only) wakes a job's daemon as soon as a pod gets a
-  ``DisruptionTarget`` condition, instead of at its next tick.
+- The TrainingJob and Pod watches (Baton's pods only) feed :class:`WatchCache`, which the
+  ticks read instead of a GET and a LIST per tick (watchcache.py says when they still read
+  through the API).
+- The Node watch feeds :class:`ClusterView` (readiness and notices), and a node's new notice
+  or readiness change wakes the daemons of the jobs with a pod on that node, only those.
+- The Pod watch wakes a job's daemon as soon as a pod gets a ``DisruptionTarget`` condition,
+  instead of at its next tick.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .controller import ClusterView, JobMemory, Reconciler
 from .errors import BatonOperatorError, KubeError
 from .settings import KEY_SECRET_NAME, OperatorConfig
 from .sidecars import SidecarClient
+from .watchcache import WatchCache
 
 __all__ = ["configure"]
 
@@ -115,6 +120,8 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
     cluster = ClusterView(config=config)
     memo["cluster"] = cluster
     memo["wakers"] = {}
+    cache = WatchCache()
+    memo["cache"] = cache
 
     async def post(job: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         # kopf only needs the object reference fields (apiVersion, kind, metadata).
@@ -134,6 +141,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
         config=config,
         post_event=post,
         token_for=lambda spec: tokens.derive(key, spec),
+        cache=cache,
     )
 
 
@@ -204,6 +212,9 @@ async def _job_event(
     # finalizer is gone, and kopf calls on.delete handlers only for objects it still holds.
     # A deletion this operator misses (it was down) only leaves that job's metric series
     # until the operator restarts.
+    cache: WatchCache | None = memo.get("cache")
+    if cache is not None:
+        cache.job_event(event.get("type"), event.get("object") or {})
     if event.get("type") == "DELETED" and namespace is not None:
         reconciler: Reconciler = memo["reconciler"]
         reconciler.forget(namespace, name)
@@ -225,15 +236,25 @@ async def _node_event(
             memo["metrics"].notices.labels(notice.source).inc()
             logger.info("notice on node %s: %s (deadline %s)", name, notice.reason, notice.deadline)
         changed = bool(fresh) or cluster.node_ready(name) != was_ready
-    # Only a new notice, a readiness change or a deletion wakes the jobs' daemons early: a
-    # node's routine status updates would otherwise tick every job on every node's heartbeat.
+    # Only a new notice, a readiness change or a deletion wakes daemons early (a node's
+    # routine status updates would otherwise tick jobs on every node's heartbeat), and only
+    # the daemons of the jobs with a pod on the node (the watch cache's node index): the
+    # others' next regular tick sees nothing new, so waking them would only put the
+    # affected jobs' ticks in a queue that grows with the number of jobs.
     if changed:
-        for waker in list(memo["wakers"].values()):
-            waker.set()
+        cache: WatchCache = memo["cache"]
+        wakers = memo["wakers"]
+        for key in cache.jobs_on(name):
+            waker = wakers.get(key)
+            if waker is not None:
+                waker.set()
 
 
 @kopf.on.event(*watches.PODS.selector(), labels=dict(watches.MANAGED_BY))
-async def _pod_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def _pod_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    cache: WatchCache | None = memo.get("cache")
+    if cache is not None:
+        cache.pod_event(event.get("type"), event.get("object") or {})
     config = _config(memo)
     notice = notices.pod_notice(body, now=datetime.now(tz=UTC), graces=config.graces)
     if notice is None:

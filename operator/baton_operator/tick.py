@@ -39,6 +39,12 @@ class JobMemory:
     """No create is tried before this time (backoff after a temporary error)."""
     next_goodput_write: datetime | None = None
     """``status.goodput`` is written again no sooner than this (economics.py)."""
+    written_version: str | None = None
+    """The resourceVersion this daemon's last status write returned: a tick reads the job
+    from the watch cache only once the cache holds this version or a newer one."""
+    synced_at: datetime | None = None
+    """When the job and its pods were last read through the API rather than the watch cache
+    (the daemon's first tick, every resync period, and after a lost write race)."""
 
     def for_attempt(self, attempt: int) -> None:
         """Forget the reports of an earlier attempt."""

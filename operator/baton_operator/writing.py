@@ -38,6 +38,9 @@ class StatusWriter:
         t.version = await self._kube.patch_job_status(
             t.spec.namespace, t.spec.name, patch.render(), resource_version=t.version
         )
+        if t.version is not None:
+            # The next tick must not read back less than this from the watch cache.
+            t.memory.written_version = t.version
         phase = patch.new_phase
         if phase is not None:
             t.status = replace(t.status, phase=phase)

@@ -13,6 +13,7 @@ from baton_operator.metrics import Metrics
 from baton_operator.reports import answers
 from baton_operator.settings import OperatorConfig
 from baton_operator.sidecars import SidecarStatus
+from baton_operator.watchcache import WatchCache
 from prometheus_client import CollectorRegistry
 
 T0 = datetime(2026, 11, 30, 4, 0, tzinfo=UTC)
@@ -80,13 +81,29 @@ def test_memory_tells_a_served_notice_and_forgets_old_attempts() -> None:
     assert not memory.served_notice(1)
 
 
+def _pod(name: str, job: str, node: str | None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "team", "resourceVersion": "5",
+                     "labels": {"baton.dev/job": job}},
+        "spec": {"nodeName": node} if node else {},
+    }  # fmt: skip
+
+
 def test_only_a_change_that_matters_wakes_the_jobs_daemons() -> None:
     wake = asyncio.Event()
+    elsewhere, pending = asyncio.Event(), asyncio.Event()
+    cache = WatchCache()
+    # The watch cache's node index: tj has a pod on n1; the other jobs have none there.
+    cache.pod_event("ADDED", _pod("tj-0-0", "tj", "n1"))
+    cache.pod_event("ADDED", _pod("other-0-0", "other", "n2"))
+    cache.pod_event("ADDED", _pod("pending-0-0", "pending", None))
     memo: dict[str, Any] = {
         "cluster": ClusterView(config=OperatorConfig()),
         "metrics": Metrics(CollectorRegistry()),
-        "wakers": {("team", "tj"): wake},
-    }
+        "wakers": {("team", "tj"): wake, ("team", "other"): elsewhere,
+                   ("team", "pending"): pending},
+        "cache": cache,
+    }  # fmt: skip
 
     def node(*taints: dict[str, Any], ready: bool = True) -> dict[str, Any]:
         condition = {"type": "Ready", "status": "True" if ready else "False"}
@@ -109,3 +126,6 @@ def test_only_a_change_that_matters_wakes_the_jobs_daemons() -> None:
     assert not event("MODIFIED", node(spot)), "the same notice again"
     assert event("MODIFIED", node(spot, ready=False)), "readiness lost"
     assert event("DELETED", node(spot, ready=False)), "the node is gone"
+    # Only the jobs with a pod on the node are woken, however many others there are.
+    assert not elsewhere.is_set()
+    assert not pending.is_set()
