@@ -114,7 +114,11 @@ class Reconciler:
         writer = StatusWriter(kube, post_event)
         self._patch = writer.patch
         self._event = writer.event
-        self._creator = Creator(kube=kube, config=config, token_for=token_for, writer=writer)
+        self._pools = interval.PoolLedger()
+        """Every job's node time and interruptions per pool, for ``everySeconds: auto``."""
+        self._creator = Creator(
+            kube=kube, config=config, token_for=token_for, writer=writer, pools=self._pools
+        )
         self._suspender = Suspender(
             config=config, metrics=metrics, writer=writer, creator=self._creator,
             restart=self._restart, hint=self._hint, delete_pods=self._delete_pods,
@@ -124,6 +128,7 @@ class Reconciler:
         """The job was deleted: stop counting it and drop its metric series."""
         self._metrics.job_phase(namespace, name, None)
         self._metrics.job_deleted(namespace, name)
+        self._pools.forget((namespace, name))
         if self._cache is not None:
             self._cache.forget_job(namespace, name)
 
@@ -191,6 +196,7 @@ class Reconciler:
         if job is None:
             self.forget(namespace, name)
             return None
+        self._pools.observe((namespace, name), job)
         spec = JobSpec.from_body(job)
         status = JobStatus.from_body(job)
         phase = status.phase
@@ -341,6 +347,13 @@ class Reconciler:
             detail=detail,
         )  # fmt: skip
         suspended = plan.phase is Phase.SUSPENDED
+        raw_status: Mapping[str, Any] = t.job.get("status") or {}
+        # The attempt's node time ends here, whatever ends it (interval.py).
+        noticed = [self._cluster.pool_of(n) for n in (cause.nodes if cause else ())]
+        exposure = interval.closed(
+            raw_status.get("exposure"), now=now, interrupted=kind in ("preemption", "failure"),
+            noticed_pools=[p for p in noticed if p],
+        )  # fmt: skip
         # An interruption (not a suspend, not an elastic shrink) goes into the history in the
         # same write as the decision, so that a restarted operator never records it twice.
         record = None
@@ -375,6 +388,7 @@ class Reconciler:
                     "notice": None,
                     "unschedulableSince": None,
                     "message": plan.message,
+                    "exposure": exposure,
                     **costs,
                     **(extra or {}),
                 }
@@ -668,7 +682,17 @@ class Reconciler:
             + " (the checkpoint store holds a newer complete step than the operator knew of); "
             "status.resumedFromStep now says so"
         )
-        await self._patch(t, t.patch().set({"resumedFromStep": loaded, "message": message}))
+        fields: dict[str, Any] = {"resumedFromStep": loaded, "message": message}
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        # The interruption that led here resumed from the loaded step: its cost follows.
+        fixed = economics.resume_corrected(
+            raw.get("interruptions") or [], attempt=t.status.attempt, loaded=loaded
+        )
+        if fixed is not None:
+            history, delta = fixed
+            fields["interruptions"] = history
+            fields["stepsLost"] = max(0, int(raw.get("stepsLost") or 0) + delta)
+        await self._patch(t, t.patch().set(fields))
         t.status = replace(t.status, resumed_from_step=loaded)
         await self._event(t.job, "Warning", "ResumeStepCorrected", message)
 
@@ -706,7 +730,15 @@ class Reconciler:
             .condition("Ready", False, "Succeeded", message)
             .condition("Succeeded", True, "Succeeded", message)
             .condition("Checkpointing", False, "Done", message)
-            .set({"message": message, "notice": None}),
+            .set(
+                {
+                    "message": message,
+                    "notice": None,
+                    "exposure": interval.closed(
+                        (t.job.get("status") or {}).get("exposure"), now=t.now, interrupted=False
+                    ),
+                }
+            ),
         )
         await self._event(t.job, "Normal", "Succeeded", message)
 
@@ -738,12 +770,18 @@ class Reconciler:
                 f", resumed from step {status.resumed_from_step}"
             )  # fmt: skip
             message = f"attempt {status.attempt}: {detail}{resume_txt}"
+            # The attempt's node time starts now, on the pools of its nodes (interval.py).
+            on = {p.node for p in t.current.values() if p.node}
+            exposure = interval.opened(
+                (t.job.get("status") or {}).get("exposure"), since=t.now,
+                node_pools=[self._cluster.pool_of(n) for n in sorted(on)],
+            )  # fmt: skip
             await self._patch(
                 t,
                 t.patch()
                 .phase(Phase.RUNNING)
                 .condition("Ready", True, "Running", message)
-                .set({"message": message, "unschedulableSince": None}),
+                .set({"message": message, "unschedulableSince": None, "exposure": exposure}),
             )
             await self._event(t.job, "Normal", "Running", message)
 

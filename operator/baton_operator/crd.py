@@ -24,6 +24,7 @@ __all__ = [
     "HISTORY_LIMIT",
     "KIND",
     "PLURAL",
+    "POOLS_KEPT",
     "SHORT_NAME",
     "SINGULAR",
     "VERSION",
@@ -60,6 +61,9 @@ than this in one pod is a typo (1000 was once accepted and "succeeded" with one 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 HISTORY_LIMIT: Final = 20
 """``status.interruptions`` keeps the newest this many (maxItems; economics.py trims)."""
+POOLS_KEPT: Final = 20
+"""``status.exposure.pools`` keeps the pools with the most node time, at most this many
+(maxItems; interval.py trims): a job does not wander over more pools than that in practice."""
 _GPU_Q: Final = f"'{GPU_RESOURCE}'"
 
 
@@ -396,16 +400,66 @@ def _status_schema() -> dict[str, Any]:
             },
             "mtbiSeconds": {
                 "type": "number",
-                "description": "Mean time between interruptions used.",
+                "description": (
+                    "The job's mean time between interruptions used: (nodeSeconds + "
+                    "priorSeconds) / (interruptions + 1) / nodes."
+                ),
             },
-            "interruptions": _int("Preemptions plus failures when it was chosen."),
-            "observedSeconds": {
+            "source": _str(
+                "Where the rate came from: pool (every job seen on the pool), job (the job's "
+                "own) or prior (nothing observed yet).",
+                enum=["pool", "job", "prior"],
+            ),
+            "pool": _str("The job's node pool (label=value), when known."),
+            "interruptions": _int("Interruptions in the window (the pool's or the job's)."),
+            "nodeSeconds": {
                 "type": "number",
-                "description": "The job's life when it was chosen (creation to attempt start).",
+                "description": "The window: node seconds observed (the pool's or the job's).",
             },
+            "nodes": _int("The job's nodes (replicas), which the per-node MTBI is shared by."),
+            "priorSeconds": _int("The prior: node seconds per interruption, one pseudo-interval."),
             "bounded": _str("min or max when a bound overrode the formula."),
         },
     }
+
+    def _exposure_counts(description: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "description": description,
+            "properties": {
+                "nodeSeconds": {"type": "number", "description": "Running time x nodes."},
+                "interruptions": _int("Preemptions and failures in that time."),
+                **extra,
+            },
+        }
+
+    exposure = _exposure_counts(
+        "The job's node time and interruptions over its whole life, in total and per node "
+        "pool, and the running attempt's clock: the interruption rate of everySeconds: auto.",
+        pool=_str("The pool most of the latest running attempt's nodes were in."),
+        pools={
+            "type": "array",
+            "maxItems": POOLS_KEPT,
+            "items": _exposure_counts("One pool's share.", pool=_str("label=value.")),
+            "description": "Per node pool (label=value).",
+        },
+        current={
+            "type": "object",
+            "description": "The running attempt: since when, on how many nodes of which pools.",
+            "properties": {
+                "since": _str("When the attempt was Running.", format="date-time"),
+                "nodes": _int("Its distinct nodes."),
+                "pools": {
+                    "type": "array",
+                    "description": "Its nodes per pool (nodes without a pool label left out).",
+                    "items": {
+                        "type": "object",
+                        "properties": {"pool": _str("label=value."), "nodes": _int("Its nodes.")},
+                    },
+                },
+            },
+        },
+    )
 
     def _num(description: str) -> dict[str, Any]:
         return {"type": "number", "description": description}
@@ -494,6 +548,7 @@ def _status_schema() -> dict[str, Any]:
             "suspendedSeconds": _num("Seconds the job spent suspended, in total."),
             "lastCheckpoint": last_checkpoint,
             "checkpointInterval": checkpoint_interval,
+            "exposure": exposure,
             "conditions": {
                 "type": "array",
                 "items": condition,

@@ -40,8 +40,11 @@ class Creator:
         config: OperatorConfig,
         token_for: Callable[[JobSpec], str],
         writer: StatusWriter,
+        pools: interval.PoolLedger | None = None,
     ) -> None:
         self._kube = kube
+        self._pools = pools
+        """Node time and interruptions per pool (the controller's), for the interval."""
         self._config = config
         self._token_for = token_for
         self._writer = writer
@@ -89,7 +92,7 @@ class Creator:
         chosen = interval.recorded(t.job, status.attempt)
         if chosen is not None:
             return chosen
-        choice = interval.for_job(t.job, at=t.now)
+        choice = interval.for_job(t.job, at=t.now, pools=self._pools)
         await self._writer.patch(
             t, t.patch().set({"checkpointInterval": choice.to_status(status.attempt)})
         )

@@ -48,6 +48,7 @@ __all__ = [
     "goodput",
     "gpus",
     "progress",
+    "resume_corrected",
 ]
 
 EAGER_SECONDS: Final = 120.0
@@ -197,6 +198,41 @@ def filled_restart(
     out = [dict(e) for e in history]
     out[-1]["restartSeconds"] = max(0.0, round((now_progress.at - start).total_seconds(), 3))
     return out
+
+
+def resume_corrected(
+    history: Sequence[Mapping[str, Any]], *, attempt: int, loaded: int
+) -> tuple[list[Any], int] | None:
+    """The history with the newest entry made to say that ``attempt`` resumed from
+    ``loaded`` (the step its ranks restored: ``ResumeStepCorrected``), and the change of its
+    ``stepsLost`` (to add to ``status.stepsLost``); None when the newest entry is not the
+    interruption that ended the attempt before ``attempt``, or already says ``loaded``.
+
+    ``stepsLost`` and ``gpuSecondsLost`` follow from the entry's own ``lastGoodStep``,
+    ``stepSeconds`` and ``gpus`` (left out, as before, when those are unknown).
+    """
+    if not history:
+        return None
+    last = history[-1]
+    if int(last.get("attempt", -1)) != attempt - 1 or last.get("resumeStep") == loaded:
+        return None
+    fixed = dict(last)
+    fixed["resumeStep"] = loaded
+    before = int(last.get("stepsLost") or 0)
+    good = last.get("lastGoodStep")
+    if good is None:
+        fixed.pop("stepsLost", None)
+        fixed.pop("gpuSecondsLost", None)
+    else:
+        lost = max(0, int(good) - loaded)
+        fixed["stepsLost"] = lost
+        step_seconds = last.get("stepSeconds")
+        if step_seconds is not None:
+            gpus = int(last.get("gpus") or 0)
+            fixed["gpuSecondsLost"] = round(lost * float(step_seconds) * gpus, 3)
+    out = [dict(e) for e in history[:-1]]
+    out.append(fixed)
+    return out, int(fixed.get("stepsLost") or 0) - before
 
 
 def eager(

@@ -9,12 +9,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 from .notices import Notice, node_notices, parse_time
 from .settings import OperatorConfig
 
-__all__ = ["ClusterView"]
+__all__ = ["POOL_LABELS", "ClusterView", "node_pool"]
+
+POOL_LABELS: Final = (
+    "karpenter.sh/nodepool",
+    "cloud.google.com/gke-nodepool",
+    "eks.amazonaws.com/nodegroup",
+    "kubernetes.azure.com/agentpool",
+    "baton.dev/node-pool",
+)
+"""Node labels that name a node's pool, first match wins: Karpenter's NodePool, GKE's node
+pool, an EKS managed node group, an AKS agent pool, and ``baton.dev/node-pool`` for anything
+else (set it on nodes of self-managed groups). Spot capacity is reclaimed per pool, so the
+adaptive interval (interval.py) measures interruption rates per pool."""
+
+
+def node_pool(labels: Mapping[str, Any] | None) -> str | None:
+    """The pool a node's (or a nodeSelector's) labels name, if any (:data:`POOL_LABELS`)."""
+    for key in POOL_LABELS:
+        value = (labels or {}).get(key)
+        if value:
+            return f"{key}={value}"
+    return None
 
 
 @dataclass
@@ -31,10 +52,18 @@ class ClusterView:
     config: OperatorConfig
     nodes: dict[str, _Node] = field(default_factory=dict)
     deleted: set[str] = field(default_factory=set)
+    pools: dict[str, str] = field(default_factory=dict)
+    """Each labelled node's pool (:func:`node_pool`)."""
 
     def update_node(self, body: Mapping[str, Any], *, now: datetime) -> list[Notice]:
         """Record a Node; return the notices that are new on it (for Events and metrics)."""
-        name = str((body.get("metadata") or {}).get("name", ""))
+        meta: Mapping[str, Any] = body.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        pool = node_pool(meta.get("labels"))
+        if pool is None:
+            self.pools.pop(name, None)
+        else:
+            self.pools[name] = pool
         ready = False
         since: datetime | None = None
         for cond in (body.get("status") or {}).get("conditions") or []:
@@ -55,6 +84,7 @@ class ClusterView:
     def remove_node(self, name: str) -> None:
         """A Node object was deleted: whatever ran there is lost."""
         self.nodes.pop(name, None)
+        self.pools.pop(name, None)
         self.deleted.add(name)
 
     def notices_on(self, node: str) -> list[Notice]:
@@ -72,6 +102,11 @@ class ClusterView:
         if info is None or info.ready or info.not_ready_since is None:
             return False
         return now - info.not_ready_since >= timedelta(seconds=self.config.node_lost_seconds)
+
+    def pool_of(self, node: str | None) -> str | None:
+        """The node's pool (``label=value``), or None when no :data:`POOL_LABELS` label names
+        it (or the node is unknown)."""
+        return self.pools.get(node or "")
 
     def node_ready(self, node: str | None) -> bool:
         """Whether the node is known and Ready."""

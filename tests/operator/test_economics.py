@@ -112,6 +112,38 @@ def test_the_history_is_bounded_to_the_newest_twenty() -> None:
     assert schema["properties"]["status"]["properties"]["interruptions"]["maxItems"] == 20
 
 
+def test_a_corrected_resume_step_reprices_the_interruption_that_led_to_it() -> None:
+    """ResumeStepCorrected: the ranks of attempt 4 loaded step 120, not the 100 decided at
+    the restart (a save that committed unseen): the entry's resumeStep, stepsLost and
+    gpuSecondsLost follow, and the change goes into status.stepsLost."""
+    older = {"attempt": 1, "resumeStep": 10, "stepsLost": 5}
+    last = {
+        "attempt": 3, "source": "aws", "lastGoodStep": 130, "resumeStep": 100, "stepsLost": 30,
+        "stepSeconds": 0.25, "gpus": 16, "gpuSecondsLost": 120.0,
+    }  # fmt: skip
+    fixed = economics.resume_corrected([older, last], attempt=4, loaded=120)
+    assert fixed is not None
+    history, delta = fixed
+    assert history[0] == older
+    assert history[-1] == {**last, "resumeStep": 120, "stepsLost": 10, "gpuSecondsLost": 40.0}
+    assert delta == -20
+    assert last["resumeStep"] == 100, "the input is not changed"
+    # Loaded beyond the last step seen (the poll missed the last steps): nothing lost.
+    beyond = economics.resume_corrected([last], attempt=4, loaded=131)
+    assert beyond is not None
+    assert (beyond[0][-1]["stepsLost"], beyond[0][-1]["gpuSecondsLost"], beyond[1]) == (
+        0, 0.0, -30,
+    )  # fmt: skip
+    # Unknown last step (no report before the interruption): the resume step only.
+    bare = {"attempt": 3, "source": "failure", "resumeStep": 100}
+    unknown = economics.resume_corrected([bare], attempt=4, loaded=90)
+    assert unknown == ([{**bare, "resumeStep": 90}], 0)
+    # Not the interruption that led to this attempt (a suspend came between), or no change.
+    assert economics.resume_corrected([last], attempt=5, loaded=120) is None
+    assert economics.resume_corrected([last], attempt=4, loaded=100) is None
+    assert economics.resume_corrected([], attempt=4, loaded=100) is None
+
+
 def test_restart_seconds_are_filled_once_by_a_later_attempt() -> None:
     history = [
         {"attempt": 2, "at": "2026-03-01T12:00:10Z", "lastGoodStepAt": "2026-03-01T12:00:00Z"}

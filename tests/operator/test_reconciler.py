@@ -601,6 +601,11 @@ def test_the_status_reports_the_step_the_ranks_actually_loaded() -> None:
     status = h.kube.status
     assert status["resumedFromStep"] == 24
     assert status["lastCheckpoint"]["step"] == 24
+    # The interruption that led here says so too (its steps lost are unknown: the restarted
+    # operator never heard a step before it).
+    (entry,) = status["interruptions"]
+    assert (entry["attempt"], entry["resumeStep"]) == (0, 24), entry
+    assert "stepsLost" not in entry
     corrected = [m for _, reason, m in h.events if reason == "ResumeStepCorrected"]
     assert len(corrected) == 1
     assert "loaded step 24, not the recorded step 20" in corrected[0]
@@ -769,7 +774,8 @@ def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_pre
     write = next(i for i, w in enumerate(h.kube.writes) if "checkpointInterval" in w)
     assert write < len(h.kube.writes) - 1
     assert first["attempt"] == 0
-    assert (first["saveMeasured"], first["interruptions"]) == (False, 0)
+    assert (first["saveMeasured"], first["interruptions"], first["source"]) == (False, 0, "prior")
+    assert first["nodes"] == REPLICAS
     seconds = {_env_of(h, 0, r)["BATON_EVERY_SECONDS"] for r in range(REPLICAS)}
     assert seconds == {str(first["seconds"])}, "every rank of the attempt gets the same value"
 
@@ -781,8 +787,11 @@ def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_pre
     second = h.kube.status["checkpointInterval"]
     assert second["attempt"] == 1
     assert (second["saveSeconds"], second["saveMeasured"]) == (1.5, True)
-    assert second["interruptions"] == 1
+    assert (second["interruptions"], second["source"]) == (1, "job")
+    assert second["nodeSeconds"] >= 0
     assert second["seconds"] < first["seconds"], (first, second)
+    assert h.kube.status["exposure"]["interruptions"] == 1
+    assert "current" not in h.kube.status["exposure"], "the attempt's clock stopped"
     assert _env_of(h, 1, 0)["BATON_EVERY_SECONDS"] == str(second["seconds"])
     h.memory = JobMemory()  # a restarted operator: the recorded choice, not a new one
     h.kube.run(h.pod(1, 0), node="n0", ip="10.0.0.1")
@@ -793,6 +802,68 @@ def test_auto_interval_is_recorded_before_the_first_pod_and_rechosen_after_a_pre
         "baton_checkpoint_interval_seconds", {"namespace": NS, "job": JOB}
     )
     assert gauge == second["seconds"]
+
+
+def _pool_node(h: Harness, name: str, *, taints: tuple[dict[str, Any], ...] = ()) -> None:
+    """The Node watch reports ``name``, Ready, in the node pool ``spot``."""
+    h.cluster.update_node(
+        {
+            "metadata": {"name": name, "labels": {"karpenter.sh/nodepool": "spot"}},
+            "spec": {"taints": list(taints)},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        },
+        now=datetime.now(tz=UTC),
+    )
+
+
+def _commit_notice(h: Harness, node: str, step: int) -> None:
+    """A spot notice on ``node`` (in the pool), every rank's save of ``step`` committed, and
+    the next attempt's rank 0 created (its interval chosen)."""
+    _pool_node(h, node, taints=({"key": "aws-node-termination-handler/spot-itn",
+                                 "effect": "NoSchedule"},))  # fmt: skip
+    h.tick()
+    h.report_all(state="committed", step=step, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    h.tick()
+
+
+def test_auto_interval_reads_the_node_pools_rate_once_the_job_ran_there() -> None:
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"]["everySeconds"] = "auto"
+    h.kube.job["metadata"]["creationTimestamp"] = datetime.now(tz=UTC).isoformat()
+    h.running()  # attempt 0 on n0..n2, not labelled yet: its nodes are in no known pool
+    assert h.kube.status["exposure"]["current"]["nodes"] == REPLICAS
+    assert h.kube.status["exposure"]["current"]["pools"] == []
+    first = copy.deepcopy(h.kube.status["checkpointInterval"])
+    for i in range(6):
+        _pool_node(h, f"n{i}")
+    _commit_notice(h, "n1", 40)
+    second = copy.deepcopy(h.kube.status["checkpointInterval"])
+    # Attempt 0 ran in no known pool: the job's own rate (the noticed node's pool counted it).
+    assert (second["attempt"], second["source"], second["interruptions"]) == (1, "job", 1)
+    pools = h.kube.status["exposure"]["pools"]
+    assert pools == [{"pool": "karpenter.sh/nodepool=spot", "nodeSeconds": 0.0, "interruptions": 1}]
+    # Attempt 1 runs on three nodes of the pool, then is preempted too.
+    ips = {0: "n0", 1: "n3", 2: "n4"}
+    h.kube.run(h.pod(1, 0), node=ips[0], ip="10.0.0.1")
+    h.tick()
+    for rank in range(1, REPLICAS):
+        h.kube.run(h.pod(1, rank), node=ips[rank], ip=f"10.0.0.{rank + 1}")
+    for rank in range(REPLICAS):
+        h.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(state="idle")
+    h.tick()
+    exposure = h.kube.status["exposure"]
+    assert h.kube.status["phase"] == "Running"
+    assert exposure["current"]["pools"] == [{"pool": "karpenter.sh/nodepool=spot", "nodes": 3}]
+    assert exposure["pool"] == "karpenter.sh/nodepool=spot"
+    _commit_notice(h, "n3", 60)
+    third = h.kube.status["checkpointInterval"]
+    assert third["attempt"] == 2
+    assert (third["source"], third["pool"]) == ("pool", "karpenter.sh/nodepool=spot")
+    assert third["interruptions"] == 2
+    assert third["mtbiSeconds"] < second["mtbiSeconds"] < first["mtbiSeconds"]
+    assert third["seconds"] <= second["seconds"] < first["seconds"]
+    assert _env_of(h, 2, 0)["BATON_EVERY_SECONDS"] == str(third["seconds"])
 
 
 # ----------------------------------------------------------------- spec.suspend (Kueue)
