@@ -58,6 +58,7 @@ from trainer_sdk.layout import (
     parse_step_dir,
     step_dir,
 )
+from trainer_sdk.replication import FILL, REPLICATE, SidecarLink
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
 from trainer_sdk.storage import Location, Storage, open_storage
 
@@ -141,11 +142,20 @@ class MemoryTier:
 
     Build it on every rank at the same point (it creates a gloo process group collectively,
     for the writer's collectives). ``local_rank`` 0 writes each manifest into its pod's
-    ``fast_dir`` and deletes older snapshots there.
+    ``fast_dir`` and deletes older snapshots there. With ``control_dir`` and a sidecar that
+    replicates (:mod:`trainer_sdk.replication`), ``local_rank`` 0 also has each committed
+    snapshot copied to the peers before older ones are deleted, and fills ``fast_dir`` from
+    the peers before a restore lists it.
     """
 
     def __init__(
-        self, fast_dir: str, *, every_steps: int | None, local_rank: int, timeout: timedelta
+        self,
+        fast_dir: str,
+        *,
+        every_steps: int | None,
+        local_rank: int,
+        timeout: timedelta,
+        control_dir: str | None = None,
     ) -> None:
         if "://" in fast_dir and not fast_dir.startswith("file://"):
             raise CheckpointError(
@@ -161,6 +171,11 @@ class MemoryTier:
         self.rank, self.world = group_rank_world(self.saver.group)
         self.last_committed: int | None = None
         """The newest snapshot this process committed."""
+        self.last_replicated: int | None = None
+        """The newest snapshot every pod's sidecar copied to its peers (None: none yet)."""
+        self.link: SidecarLink | None = (
+            SidecarLink(control_dir) if control_dir and local_rank == 0 else None
+        )
 
     @property
     def uri(self) -> str:
@@ -247,6 +262,20 @@ class MemoryTier:
             )
             self._raise_failures(outcomes, step, "writing the manifest")
         self.last_committed = step
+        # Replication starts only once every pod has committed the step (so a replica of any
+        # pod implies a complete snapshot in every other pod), and older snapshots go only
+        # once every pod's copy has ended: until then an older step may be the newest that
+        # survives the loss of any one node. A copy that failed does not keep them (memory
+        # stays bounded; the failure is in the log and the sidecar's status, and restore
+        # falls back to the durable tier).
+        replicated = self._replicate(step, timeout) if self.local_rank == 0 else None
+        views = [replicated]
+        if self.world > 1:
+            views = all_gather_json(
+                replicated, group=group, timeout=timeout, what=f"replicating step {step}"
+            )
+        if any(v is not None for v in views) and all(v is not False for v in views):
+            self.last_replicated = step
         if self.local_rank == 0:
             self._delete_older(step)
         log.debug("memory snapshot of step %d in %.3fs", step, time.perf_counter() - t0)
@@ -273,8 +302,62 @@ class MemoryTier:
                 except OSError as e:  # tidying only; the next commit retries
                     log.warning("could not delete memory snapshot %s/%s: %s", self.uri, name, e)
 
+    def _replicate(self, step: int, timeout: float) -> bool | None:
+        """Have the pod's sidecar copy ``step`` to its peers (``LOCAL_RANK`` 0; bounded by
+        half the collective timeout, so that the other ranks' gather never times out on it).
+        None when no sidecar replicates for this pod."""
+        if self.link is None or not self.link.available():
+            return None
+        answer = self.link.call(REPLICATE, step=step, timeout=timeout / 2)
+        if not answer.ok:
+            log.warning(
+                "the memory snapshot of step %d was not replicated to a peer: %s. It survives "
+                "only in this pod; if its node is lost, restore uses an older step or the "
+                "durable tier",
+                step,
+                answer.error,
+            )
+            return False
+        log.debug("memory snapshot of step %d replicated to %s", step, ", ".join(answer.peers))
+        return True
+
+    def fill_from_peers(self) -> None:
+        """Before a restore lists the snapshots: ``LOCAL_RANK`` 0 has the pod's sidecar fetch
+        from its peers the files of the newest snapshot that this pod lacks (other pods'
+        ranks; all of them when the pod was replaced), verified; then every rank waits for
+        every pod (a collective), so that no rank lists its ``fast_dir`` while it is filled."""
+        outcome: dict[str, Any] = {"ok": True}
+        if self.link is not None and self.link.available():
+            t0 = time.perf_counter()
+            answer = self.link.call(FILL, step=None, timeout=self.saver.timeout.total_seconds() / 2)
+            if answer.ok and answer.step is not None:
+                log.info(
+                    "memory snapshot of step %d completed from peers into %s (%d bytes fetched "
+                    "in %.2fs)",
+                    answer.step,
+                    self.uri,
+                    answer.bytes,
+                    time.perf_counter() - t0,
+                )
+            else:
+                log.warning(
+                    "no memory snapshot could be completed from peers into %s: %s",
+                    self.uri,
+                    answer.error,
+                )
+            outcome = {"ok": answer.ok, "step": answer.step}
+        if self.world > 1:
+            all_gather_json(
+                outcome,
+                group=self.saver.group,
+                timeout=self.saver.timeout.total_seconds(),
+                what="restore: filling the memory tier from peers",
+            )
+
     def local_steps(self) -> tuple[list[int], dict[int, str]]:
-        """Snapshots this process can load (newest first), and why others cannot."""
+        """Snapshots this process can load (newest first), and why others cannot; filled from
+        the peers first (:meth:`fill_from_peers`). Call it on every rank (a collective)."""
+        self.fill_from_peers()
         return complete_steps(self.storage)
 
     def clear(self, *, keep: int | None) -> None:

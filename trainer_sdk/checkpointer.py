@@ -183,6 +183,7 @@ class Checkpointer:
                 every_steps=self.config.fast_every_steps,
                 local_rank=self.local_rank,
                 timeout=self.config.timeout,
+                control_dir=self.config.control_dir,
             )
             if self.config.fast_dir
             else None
@@ -337,7 +338,17 @@ class Checkpointer:
         if loaded is None:
             log.info("no checkpoint under %s: starting from step 0", self.config.uri)
             return 0
-        log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
+        if self._fast is not None and tier == DURABLE and not snapshots and self.rank == 0:
+            # The memory tier is on but had no step every rank could load (a pod and the
+            # holder of its replica both lost, say): the steps since this one are lost.
+            log.warning(
+                "resumed from durable step %d (%s): no memory snapshot was loadable by every "
+                "rank (see the warnings above for which rank lacked what)",
+                loaded,
+                root,
+            )
+        else:
+            log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
         self._restored = RestoreInfo(step=loaded, tier=tier, uri=root)
         self._last_saved_step = loaded
         self._last_save_time = self._clock()

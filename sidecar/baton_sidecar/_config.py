@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final, TypeVar
@@ -25,8 +27,10 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_TOKEN_FILE",
     "Cloud",
+    "Peer",
     "SidecarConfig",
     "parse_config",
+    "parse_peers",
 ]
 
 DEFAULT_PORT: Final = 9440
@@ -47,6 +51,49 @@ class Cloud(enum.StrEnum):
     """Probe each metadata endpoint briefly at start and watch the one that answers."""
     NONE = "none"
     """Watch no cloud: notices come only from the operator."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """Another pod's sidecar that may hold replicas of this pod's memory snapshots."""
+
+    address: str
+    """``http://HOST:PORT`` of its API (the pod IP and the sidecar port)."""
+    domain: str = ""
+    """Its failure domain (a node, capacity pool or zone name); a peer of this pod's own
+    domain is never a replica target (it would be lost with this pod). Empty: unknown."""
+
+
+def parse_peers(raw: object) -> tuple[Peer, ...]:
+    """Peers from their JSON form ``[{"address": "http://10.0.0.7:9440", "domain": "node-b"}]``
+    (``BATON_REPLICATION_PEERS`` and ``PUT /v1/replication/peers``); ConfigError says why not."""
+    if not isinstance(raw, list):
+        raise ConfigError(
+            'replication peers must be a JSON list like [{"address": "http://10.0.0.7:9440", '
+            f'"domain": "node-b"}}], got {type(raw).__name__}'
+        )
+    peers = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or set(item) - {"address", "domain"}:
+            raise ConfigError(
+                f"peer {i}: {item!r} must be an object with 'address' and optional 'domain'"
+            )
+        address, domain = item.get("address"), item.get("domain", "")
+        url = urllib.parse.urlsplit(address) if isinstance(address, str) else None
+        if url is None or url.scheme != "http" or not url.hostname or url.path not in ("", "/"):
+            raise ConfigError(
+                f"peer {i}: address {address!r} must be http://HOST:PORT (the peer pod's IP "
+                "and sidecar port)"
+            )
+        try:
+            _ = url.port
+        except ValueError as e:
+            raise ConfigError(f"peer {i}: address {address!r}: {e}") from None
+        if not isinstance(domain, str) or len(domain) > 253:
+            raise ConfigError(f"peer {i}: domain must be a string of at most 253 characters")
+        assert isinstance(address, str)
+        peers.append(Peer(address.rstrip("/"), domain))
+    return tuple(peers)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -96,6 +143,26 @@ class SidecarConfig:
     """Largest accepted request body; a checkpoint request is a few hundred bytes."""
     log_level: str = "INFO"
     """Python logging level name for the sidecar's own log."""
+    fast_dir: Path | None = None
+    """The pod's memory tier (``$BATON_FAST_DIR``, the trainer's ``fast_dir``). Set: the
+    sidecar replicates its snapshots to peers and keeps peers' replicas under
+    ``<fast_dir>/replicas/``. None: no replication."""
+    peers: tuple[Peer, ...] = ()
+    """Peer sidecars, in the order to try them as replica targets (the operator lists the
+    others in ring order starting after this pod, so that targets spread evenly)."""
+    replicas: int = 1
+    """How many peers of other failure domains receive each snapshot. 1 survives the loss
+    of any one node; each replica costs a peer the snapshot's size in memory (twice while the
+    next one arrives)."""
+    failure_domain: str = ""
+    """This pod's failure domain (node, pool or zone); peers of the same domain are skipped."""
+    replication_chunk_bytes: int = 1 << 20
+    """Bytes read, sent, received and hashed at a time: the memory one transfer holds."""
+    replication_timeout: float = 60.0
+    """Seconds a peer may stay silent during one replication request before it fails."""
+    replication_poll_interval: float = 0.02
+    """Seconds between looks (one ``stat`` each) for the SDK's replication requests: a
+    snapshot's copy waits for at most this before it starts."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -119,6 +186,17 @@ class SidecarConfig:
             raise ConfigError(f"linger_seconds must be 0 or more, got {self.linger_seconds}")
         if self.gce_wait_seconds < 1:
             raise ConfigError(f"gce_wait_seconds must be at least 1, got {self.gce_wait_seconds}")
+        if self.replicas < 1:
+            raise ConfigError(
+                f"BATON_REPLICATION_REPLICAS={self.replicas}: use 1 or more (or leave "
+                "BATON_FAST_DIR unset to turn replication off)"
+            )
+        if self.replication_chunk_bytes < 4096:
+            raise ConfigError(
+                f"replication_chunk_bytes={self.replication_chunk_bytes}: use at least 4096"
+            )
+        if self.replication_timeout <= 0 or self.replication_poll_interval <= 0:
+            raise ConfigError("replication_timeout and replication_poll_interval must be positive")
 
 
 def parse_config(
@@ -184,7 +262,27 @@ def parse_config(
         status_interval=_env_number(env, "BATON_SIDECAR_STATUS_INTERVAL", 0.5),
         backoff_max=_env_number(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
         linger_seconds=_env_number(env, "BATON_SIDECAR_LINGER", 5.0),
+        fast_dir=Path(env["BATON_FAST_DIR"]) if env.get("BATON_FAST_DIR") else None,
+        peers=_env_peers(env),
+        replicas=_env_number(env, "BATON_REPLICATION_REPLICAS", 1),
+        failure_domain=env.get("BATON_FAILURE_DOMAIN", ""),
+        replication_chunk_bytes=_env_number(env, "BATON_REPLICATION_CHUNK_BYTES", 1 << 20),
+        replication_timeout=_env_number(env, "BATON_REPLICATION_TIMEOUT", 60.0),
     )
+
+
+def _env_peers(env: Mapping[str, str]) -> tuple[Peer, ...]:
+    raw = env.get("BATON_REPLICATION_PEERS", "")
+    if not raw.strip():
+        return ()
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(
+            f"BATON_REPLICATION_PEERS is not JSON ({e}): set it to a list like "
+            '[{"address": "http://10.0.0.7:9440", "domain": "node-b"}]'
+        ) from None
+    return parse_peers(value)
 
 
 def _env_number(env: Mapping[str, str], name: str, default: _N) -> _N:

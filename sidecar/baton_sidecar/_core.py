@@ -56,6 +56,8 @@ class Sidecar:
         """The request id whose ended status ``GET /v1/status`` last returned."""
         self.clouds: list[str] | None = None
         """The clouds whose notices are watched; ``None`` while auto-detection runs."""
+        self.replication: Callable[[], dict[str, Any]] | None = None
+        """The replication state for ``GET /v1/status`` (set when the memory tier is on)."""
 
     def add_listener(self, listener: StatusListener) -> None:
         """Call ``listener`` for every save that ends from now on."""
@@ -153,6 +155,7 @@ class Sidecar:
         )
         body["pending_request"] = None if pending is None else pending.to_json()
         body["clouds"] = self.clouds
+        body["replication"] = None if self.replication is None else self.replication()
         return body
 
     def unanswered(self) -> bool:

@@ -92,6 +92,29 @@ class SidecarMetrics:
             ["source"],
             registry=r,
         )
+        self.replication_bytes = Counter(
+            "baton_replication_bytes_total",
+            "Memory-tier bytes copied between sidecars: sent to peers, received from them, "
+            "fetched from them before a restore.",
+            ["direction"],
+            registry=r,
+        )
+        self.replication_failures = Counter(
+            "baton_replication_failures_total",
+            "Failed replications (a snapshot to a peer), refused receptions (a peer's file "
+            "that failed its digest) and failed fills before a restore.",
+            ["op"],
+            registry=r,
+        )
+        self.replication_last_step = Gauge(
+            "baton_replication_last_step",
+            "The newest memory snapshot of this pod copied to all of its replica peers.",
+            registry=r,
+        )
+        for direction in ("sent", "received", "fetched"):
+            self.replication_bytes.labels(direction=direction)
+        for op in ("replicate", "receive", "fill"):
+            self.replication_failures.labels(op=op)
         # Zero-valued series from the start, so that rate() and alerts see them before the
         # first event.
         for source in NOTICE_SOURCES:

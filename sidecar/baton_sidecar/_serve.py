@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from datetime import datetime
@@ -15,7 +16,9 @@ from baton_sidecar._clouds import AzurePoller, detect_clouds, make_pollers
 from baton_sidecar._config import Cloud, SidecarConfig
 from baton_sidecar._core import Sidecar
 from baton_sidecar._errors import ConfigError
+from baton_sidecar._replication import Replicator
 from baton_sidecar._server import TokenFile, create_app
+from trainer_sdk.replication import FILL, OPS, Answer, read_request, request_path, write_answer
 
 __all__ = ["serve"]
 
@@ -37,7 +40,18 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
             f"cannot create the control directory {config.control_dir}: {e.strerror}. Mount "
             "the baton-control emptyDir there or pass --control-dir / BATON_CONTROL_DIR"
         ) from e
-    app = create_app(sidecar, token)
+    replicator: Replicator | None = None
+    if config.fast_dir is not None:
+        try:
+            (config.fast_dir / "replicas").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create {config.fast_dir}/replicas: {e.strerror}. Mount the memory "
+                "tier's emptyDir at BATON_FAST_DIR in the sidecar too"
+            ) from e
+        replicator = Replicator(config, token=token.current, metrics=sidecar.metrics)
+        sidecar.replication = replicator.status
+    app = create_app(sidecar, token, replicator)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     stop = stop or asyncio.Event()
@@ -58,6 +72,11 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
                 config.cloud.value,
             )
             tasks.append(asyncio.create_task(sidecar.watch_status(), name="status"))
+            if replicator is not None:
+                tasks.append(asyncio.create_task(_advertise(replicator), name="advert"))
+                tasks.append(
+                    asyncio.create_task(_serve_requests(config, replicator), name="replication")
+                )
             tasks.append(
                 asyncio.create_task(_run_clouds(config, sidecar, session, tasks), name="clouds")
             )
@@ -72,6 +91,46 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await runner.cleanup()
+            if replicator is not None:
+                replicator.withdraw()
+
+
+async def _advertise(replicator: Replicator) -> None:
+    """Keep the advert fresh: the SDK asks for replication only while it is."""
+    while True:
+        try:
+            replicator.advertise()
+        except OSError as e:
+            log.error("cannot write the replication advert in the control directory: %s", e)
+        await asyncio.sleep(1.0)
+
+
+async def _serve_requests(config: SidecarConfig, replicator: Replicator) -> None:
+    """Take the SDK's replication requests (one ``stat`` per op and poll) and answer each."""
+    while True:
+        for op in OPS:
+            if not request_path(config.control_dir, op).exists():
+                continue
+            req = read_request(config.control_dir, op)
+            if req is None:
+                continue
+            try:
+                if op == FILL:
+                    answer = await asyncio.to_thread(replicator.fill)
+                elif req.step is None:
+                    answer = Answer(id=req.id, ok=False, error="a replicate request needs a step")
+                else:
+                    answer = await asyncio.to_thread(replicator.replicate, req.step)
+            except Exception as e:  # answered, never left unanswered
+                log.exception("the %s request failed", op)
+                answer = Answer(
+                    id=req.id, ok=False, step=req.step, error=f"{type(e).__name__}: {e}"
+                )
+            try:
+                write_answer(config.control_dir, op, dataclasses.replace(answer, id=req.id))
+            except OSError as e:
+                log.error("cannot answer the %s request in %s: %s", op, config.control_dir, e)
+        await asyncio.sleep(config.replication_poll_interval)
 
 
 async def _linger(config: SidecarConfig, sidecar: Sidecar, loop: asyncio.AbstractEventLoop) -> None:

@@ -1,12 +1,15 @@
 """The sidecar's HTTP API: what the operator calls, with bearer-token auth and strict input.
 
-``POST /v1/checkpoint`` and ``GET /v1/status`` need ``Authorization: Bearer <token>``;
-``/healthz`` and ``/metrics`` are open (probes and Prometheus carry no token). Every error is a
-JSON object ``{"error": ...}`` that says what was wrong and how to fix it.
+``POST /v1/checkpoint``, ``GET /v1/status`` and the replication endpoints that peers and the
+operator call (``/v1/replicas/...``, ``/v1/snapshots/...``, ``PUT /v1/replication/peers``)
+need ``Authorization: Bearer <token>``; ``/healthz`` and ``/metrics`` are open (probes and
+Prometheus carry no token). Every error is a JSON object ``{"error": ...}`` that says what was
+wrong and how to fix it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -19,9 +22,12 @@ from typing import Any, Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from baton_sidecar._config import parse_peers
 from baton_sidecar._core import Sidecar
 from baton_sidecar._errors import ConfigError
+from baton_sidecar._replication import MAX_MANIFEST_BYTES, ReplicationError, Replicator
 from trainer_sdk.control import ControlError, parse_rfc3339, utcnow
+from trainer_sdk.layout import MANIFEST, Hasher, new_hasher
 
 __all__ = ["TokenFile", "create_app"]
 
@@ -34,6 +40,9 @@ MAX_DEADLINE_AHEAD: Final = timedelta(days=7)
 _OPEN_PATHS: Final = frozenset({"/healthz", "/metrics"})
 
 SIDECAR_KEY: Final = web.AppKey("sidecar", Sidecar)
+REPLICATOR_KEY: Final = web.AppKey("replicator", Replicator)
+MAX_PEERS_BODY: Final = 1 << 20
+"""A peer list of a thousand pods is about 80 KiB."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -79,6 +88,12 @@ class TokenFile:
             log.info("the token file %s changed; using the new token", self.path)
         self._ident, self._token, self._problem = ident, token, None
 
+    def current(self) -> str:
+        """The token itself, for this sidecar's own requests to its peers (the pods of a job
+        share the job's Secret). Never log it."""
+        self._refresh()
+        return self._token.decode()
+
     def accepts(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header carries the current token (constant time)."""
         self._refresh()
@@ -115,7 +130,7 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
         return _error(
             404,
             f"no endpoint {request.path}: use POST /v1/checkpoint, GET /v1/status, "
-            "GET /metrics or GET /healthz",
+            "GET /metrics, GET /healthz, or the replication endpoints (docs/sidecar.md)",
         )
     except web.HTTPException:
         raise
@@ -246,13 +261,165 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def create_app(sidecar: Sidecar, token: TokenFile) -> web.Application:
+# ---- replication (docs/sidecar.md, "Replication") ------------------------------------------
+
+
+def _replicator(request: web.Request) -> Replicator:
+    replicator = request.app.get(REPLICATOR_KEY)
+    if replicator is None:
+        raise ReplicationError(
+            404,
+            "this sidecar has no memory tier: set BATON_FAST_DIR (the trainer's fast_dir) to "
+            "replicate snapshots and hold peers' replicas",
+        )
+    return replicator
+
+
+def _step(request: web.Request) -> int:
+    raw = request.match_info["step"]
+    if not raw.isdigit() or len(raw) > 12:
+        raise ReplicationError(400, f"step {raw!r} must be a whole number below 10**12")
+    return int(raw)
+
+
+async def _read_bounded(request: web.Request, limit: int) -> bytes:
+    body = bytearray()
+    async for data in request.content.iter_chunked(64 * 1024):
+        body += data
+        if len(body) > limit:
+            raise ReplicationError(413, f"body over {limit} bytes")
+    return bytes(body)
+
+
+def _write_hashed(out: Any, hasher: Hasher, data: bytes) -> None:
+    hasher.update(data)
+    out.write(data)
+
+
+async def _put_replica(request: web.Request) -> web.Response:
+    """A peer's upload of one file of a replica (verified as it arrives), or its manifest
+    (last: the replica is complete once it is written)."""
+    try:
+        replicator = _replicator(request)
+        source, name, step = (
+            request.match_info["source"],
+            request.match_info["name"],
+            _step(request),
+        )
+        if name == MANIFEST:
+            data = await _read_bounded(request, MAX_MANIFEST_BYTES)
+            await asyncio.to_thread(replicator.commit_replica, source, step, data)
+            return web.json_response({"complete": True, "source": source, "step": step})
+        expected = request.content_length
+        part, algorithm, want = await asyncio.to_thread(
+            replicator.begin_file,
+            source,
+            step,
+            name,
+            size=expected,
+            digest=request.headers.get("X-Baton-Digest"),
+        )
+        assert expected is not None
+        chunk = replicator.config.replication_chunk_bytes
+        hasher = new_hasher(algorithm)
+        size = 0
+        try:
+            with open(part, "wb") as out:
+                buf = bytearray()
+                async for data in request.content.iter_chunked(chunk):
+                    buf += data
+                    size += len(data)
+                    if size > expected:
+                        break
+                    if len(buf) >= chunk:
+                        await asyncio.to_thread(_write_hashed, out, hasher, bytes(buf))
+                        buf.clear()
+                if buf:
+                    await asyncio.to_thread(_write_hashed, out, hasher, bytes(buf))
+            replicator.end_file(
+                source,
+                step,
+                name,
+                part,
+                algorithm=algorithm,
+                want=want,
+                got=hasher.hexdigest(),
+                size=size,
+                expected=expected,
+            )
+        finally:
+            part.unlink(missing_ok=True)  # renamed away when it was kept
+        return web.json_response({"stored": name, "bytes": size})
+    except ReplicationError as e:
+        if e.status == 422:
+            request.app[SIDECAR_KEY].metrics.replication_failures.labels(op="receive").inc()
+        return _error(e.status, str(e))
+
+
+async def _get_replicas(request: web.Request) -> web.Response:
+    try:
+        replicator = _replicator(request)
+    except ReplicationError as e:
+        return _error(e.status, str(e))
+    return web.json_response({"holdings": await asyncio.to_thread(replicator.catalog)})
+
+
+async def _get_replica_file(request: web.Request) -> web.StreamResponse:
+    try:
+        replicator = _replicator(request)
+        path = replicator.file_for_download(
+            request.match_info.get("source"), _step(request), request.match_info["name"]
+        )
+    except ReplicationError as e:
+        return _error(e.status, str(e))
+    except ValueError as e:
+        return _error(400, str(e))
+    return web.FileResponse(path, chunk_size=replicator.config.replication_chunk_bytes)
+
+
+async def _put_peers(request: web.Request) -> web.Response:
+    try:
+        replicator = _replicator(request)
+        raw = await _read_bounded(request, MAX_PEERS_BODY)
+    except ReplicationError as e:
+        return _error(e.status, str(e))
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return _error(400, f'body is not JSON ({e}): send {{"peers": [...], "replicas": n}}')
+    if not isinstance(body, dict) or set(body) - {"peers", "replicas"} or "peers" not in body:
+        return _error(
+            400,
+            'send {"peers": [{"address": "http://HOST:PORT", "domain": str}], "replicas": n} '
+            "(replicas optional)",
+        )
+    replicas = body.get("replicas")
+    if replicas is not None and (not isinstance(replicas, int) or replicas < 1):
+        return _error(400, f"'replicas' must be an integer of 1 or more, got {replicas!r}")
+    try:
+        peers = parse_peers(body["peers"])
+    except ConfigError as e:
+        return _error(400, str(e))
+    replicator.set_peers(list(peers), replicas)
+    return web.json_response(replicator.status())
+
+
+def create_app(
+    sidecar: Sidecar, token: TokenFile, replicator: Replicator | None = None
+) -> web.Application:
     """The aiohttp application (no background tasks; see :func:`baton_sidecar.serve`)."""
     app = web.Application(
         middlewares=[_errors_as_json, _auth], client_max_size=sidecar.config.max_body_bytes
     )
     app[SIDECAR_KEY] = sidecar
     app[TOKEN_KEY] = token
+    if replicator is not None:
+        app[REPLICATOR_KEY] = replicator
+    app.router.add_get("/v1/replicas", _get_replicas)
+    app.router.add_put("/v1/replicas/{source}/{step}/{name}", _put_replica)
+    app.router.add_get("/v1/replicas/{source}/{step}/{name}", _get_replica_file)
+    app.router.add_get("/v1/snapshots/{step}/{name}", _get_replica_file)
+    app.router.add_put("/v1/replication/peers", _put_peers)
     app.router.add_post("/v1/checkpoint", _post_checkpoint)
     app.router.add_get("/v1/status", _get_status)
     app.router.add_get("/metrics", _metrics)
