@@ -173,6 +173,7 @@ class MemoryTier:
         """The newest snapshot this process committed."""
         self.last_replicated: int | None = None
         """The newest snapshot every pod's sidecar copied to its peers (None: none yet)."""
+        self._replication_error: str | None = None
         self.link: SidecarLink | None = (
             SidecarLink(control_dir) if control_dir and local_rank == 0 else None
         )
@@ -310,14 +311,21 @@ class MemoryTier:
             return None
         answer = self.link.call(REPLICATE, step=step, timeout=timeout / 2)
         if not answer.ok:
-            log.warning(
-                "the memory snapshot of step %d was not replicated to a peer: %s. It survives "
-                "only in this pod; if its node is lost, restore uses an older step or the "
-                "durable tier",
-                step,
-                answer.error,
-            )
+            # once per distinct error, not once per snapshot (the sidecar's status and
+            # metrics count every failure)
+            if answer.error != self._replication_error:
+                log.warning(
+                    "the memory snapshot of step %d was not replicated to a peer: %s. It "
+                    "survives only in this pod; if its node is lost, restore uses the durable "
+                    "tier. Later snapshots that fail the same way are not logged again",
+                    step,
+                    answer.error,
+                )
+            self._replication_error = answer.error
             return False
+        if self._replication_error is not None:
+            log.info("memory snapshots are replicated again (step %d)", step)
+        self._replication_error = None
         log.debug("memory snapshot of step %d replicated to %s", step, ", ".join(answer.peers))
         return True
 

@@ -376,3 +376,73 @@ def test_peers_can_be_set_over_http_and_bad_ones_are_refused(
     answer = link.call(REPLICATE, step=1, timeout=60)
     assert not answer.ok
     assert "0 of 2 replicas" in (answer.error or ""), answer
+
+
+def _train_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _weights(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    out = [t.detach().numpy().tobytes() for t in model.state_dict().values()]
+    for st in opt.state_dict()["state"].values():
+        out += [v.numpy().tobytes() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def test_the_checkpointer_replicates_each_snapshot_and_a_replaced_pod_restores_from_it(
+    pods: Callable[..., list[SidecarProcess]], tmp_path: Path
+) -> None:
+    """The SDK's side for real: every snapshot is copied before the older one is deleted,
+    and a pod whose memory is gone restores the newest snapshot from its peer, bitwise."""
+    a, b = pods(2)
+    wait_for(SidecarLink(a.control_dir).available, what="the advert")
+    model, opt = _train_state(0)
+    with trainer_sdk.Checkpointer(
+        tmp_path / "ck", model=model, optimizer=opt, every_steps=100, fast_every_steps=1,
+        fast_dir=_fast(a), control_dir=str(a.control_dir), handle_sigterm=False,
+    ) as ck:  # fmt: skip
+        assert ck.restore() == 0
+        for step in range(1, 6):
+            _train_step(model, opt, step)
+            ck.step(step)
+            ck.wait()
+            # the write (ck.wait) ends once the copy has: the peer holds exactly this one
+            assert sorted(os.listdir(_fast(b) / "replicas" / SOURCE)) == [_step(step)]
+            assert _replication(a)["last_replicated_step"] == step
+    want = _weights(model, opt)
+    assert trainer_sdk.list_steps(str(tmp_path / "ck")) == []  # only the memory tier has it
+
+    # The pod is replaced: a new sidecar (new address) on an empty memory tier.
+    c = SidecarProcess(tmp_path / "pod-replacement")
+    c.env.update(
+        {
+            "BATON_FAST_DIR": str(_fast(c)),
+            "BATON_FAILURE_DOMAIN": "node-9",
+            "BATON_REPLICATION_PEERS": json.dumps([{"address": b.url, "domain": "node-1"}]),
+        }
+    )
+    c.start()
+    try:
+        wait_for(SidecarLink(c.control_dir).available, what="the new advert")
+        model2, opt2 = _train_state(1)
+        with trainer_sdk.Checkpointer(
+            tmp_path / "ck", model=model2, optimizer=opt2, fast_dir=_fast(c),
+            control_dir=str(c.control_dir), handle_sigterm=False,
+        ) as ck2:  # fmt: skip
+            assert ck2.restore() == 5
+            assert ck2.restored.tier == "memory"
+        assert _weights(model2, opt2) == want
+        fill = _replication(c)["last_fill"]
+        assert isinstance(fill, dict)
+        assert fill["step"] == 5
+    finally:
+        c.stop()
