@@ -98,6 +98,17 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         "--grace", action="append", default=[], metavar="NAME=SECONDS",
         help=f"override a notice grace period; names: {', '.join(f.name for f in fields(Graces))}",
     )  # fmt: skip
+    p.add_argument(
+        "--cluster-domain", default=d.cluster_domain,
+        help="the cluster's DNS domain (the kubelet's clusterDomain): gang-scheduled ranks "
+        "meet at <rank 0>.<job>.<namespace>.svc.<domain>",
+    )  # fmt: skip
+    p.add_argument(
+        "--gang-scheduling", action=argparse.BooleanOptionalAction, default=d.gang_scheduling,
+        help="a scheduling.k8s.io/v1beta1 PodGroup per attempt, every rank created at once, "
+        "where the API server serves PodGroups (--no-gang-scheduling: rank 0 first, its pod "
+        "IP, everywhere)",
+    )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -134,6 +145,8 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         node_lost_seconds=args.node_lost_seconds,
         delete_grace_seconds=args.delete_grace_seconds,
         graces=Graces(**graces),
+        cluster_domain=args.cluster_domain,
+        gang_scheduling=args.gang_scheduling,
     )
 
 

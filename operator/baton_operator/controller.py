@@ -128,9 +128,9 @@ class Reconciler:
         """The job was deleted: stop counting it and drop its metric series."""
         self._metrics.job_phase(namespace, name, None)
         self._metrics.job_deleted(namespace, name)
-        self._pools.forget((namespace, name))
         if self._cache is not None:
             self._cache.forget_job(namespace, name)
+        self._pools.forget((namespace, name))
 
     # ----------------------------------------------------------------- entry point
 
@@ -224,6 +224,8 @@ class Reconciler:
             self._metrics.job_finished(namespace, name)
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not p.finished], now)
+            # A finished attempt's gang goes with it (its pods are kept, finished).
+            await self._creator.drop_pod_groups(t, [status.attempt])
             return None
         if phase is Phase.SUSPENDED:
             # Nothing runs: no checkpoint is due and no budget is being spent, so the job's
@@ -244,6 +246,10 @@ class Reconciler:
         memory.for_attempt(status.attempt)
         t.current = {p.rank: p for p in pods if p.attempt == status.attempt}
         stale = [p for p in pods if p.attempt != status.attempt]
+        if stale:
+            # An old attempt's PodGroup goes with its pods (dropped at its restart already;
+            # again here for an operator that stopped in between).
+            await self._creator.drop_pod_groups(t, {p.attempt for p in stale})
         if phase is Phase.SUSPENDED:
             await self._suspender.suspended(t, pods)
             return tick
@@ -422,6 +428,7 @@ class Reconciler:
                 t.job, "Warning" if kind == "failure" else "Normal", "Restarting", plan.message
             )
         await self._delete_pods(spec, list(t.current.values()), now)
+        await self._creator.drop_pod_groups(t, [status.attempt])
 
     async def _restarting(self, t: Tick, stale: Sequence[PodView]) -> None:
         spec, status, now = t.spec, t.status, t.now

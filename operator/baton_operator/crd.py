@@ -524,7 +524,10 @@ def _status_schema() -> dict[str, Any]:
             "resumedFromStep": _int("BATON_RESUME_STEP of the current attempt."),
             "stepsLost": _int("Steps recomputed after restarts, in total."),
             "observedGeneration": _int("The spec generation last acted on."),
-            "masterAddr": _str("Rank 0's pod IP for the current attempt."),
+            "masterAddr": _str(
+                "Rank 0's pod IP for the current attempt, or its DNS name when the attempt "
+                "is gang-scheduled (a PodGroup per attempt)."
+            ),
             "attemptStartedAt": _str("When the current attempt was created.", format="date-time"),
             "restartAfter": _str("Backoff: no new attempt before this time.", format="date-time"),
             "restartReason": _str("preemption, failure, elastic or suspend."),

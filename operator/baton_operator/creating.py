@@ -1,5 +1,10 @@
 """Creating a job's objects: its token Secret, its Service and each attempt's pods.
 
+Where the API server serves ``scheduling.k8s.io/v1beta1`` PodGroups (looked up once, then
+cached), each attempt also gets a PodGroup, and all its pods are created in one pass, linked to
+it, with rank 0's DNS name as the master address; elsewhere rank 0 comes first and the others
+get its pod IP (manifests.py says why; docs/operator.md, "Gang scheduling").
+
 Creates are idempotent (deterministic names; "already exists" is success), so a restarted
 operator simply creates what is missing. A failed create is classified by the client layer
 (``errors``): a permanent one (the object is invalid, or Pod Security forbids it) fails the job
@@ -10,7 +15,8 @@ operator's pod policy refuses fails the job before anything is created.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
@@ -25,6 +31,8 @@ from .tick import Tick
 from .writing import StatusWriter
 
 __all__ = ["Creator"]
+
+_log = logging.getLogger(__name__)
 
 _CREATE_BACKOFF_CEILING: Final = 60.0
 """Seconds: the longest wait between tries of a create that failed for a temporary reason."""
@@ -48,6 +56,10 @@ class Creator:
         self._config = config
         self._token_for = token_for
         self._writer = writer
+        self._gang_served: bool | None = None
+        """Whether the API server serves PodGroups: None until discovery answered."""
+        self._dropped: set[tuple[str, str, int]] = set()
+        """(namespace, job uid, attempt) whose PodGroup this operator deleted: asked once."""
 
     async def start(self, t: Tick) -> None:
         """A new job: its Secret and Service, then ``Pending`` (the pods come next tick)."""
@@ -98,23 +110,80 @@ class Creator:
         )
         return choice.seconds
 
-    async def ensure_pods(self, t: Tick, status: JobStatus, *, replicas: int) -> None:
-        """Create the attempt's missing pods: rank 0 first, the others once it has an IP.
+    async def gang_served(self) -> bool:
+        """Whether attempts get a PodGroup: the setting is on and the API server serves
+        ``scheduling.k8s.io/v1beta1`` ``podgroups``. Discovered at the first call and cached
+        (the served APIs change only with the API server's configuration); an error is raised
+        (the tick is retried), never taken for "not served"."""
+        if not self._config.gang_scheduling:
+            return False
+        if self._gang_served is None:
+            self._gang_served = await self._kube.serves(
+                f"{manifests.POD_GROUP_API_GROUP}/{manifests.POD_GROUP_VERSION}",
+                manifests.POD_GROUP_PLURAL,
+            )
+        return self._gang_served
 
-        ``masterAddr`` is recorded when every pod exists; until then nothing is missing.
+    async def _gang(self, t: Tick) -> bool:
+        """Whether this attempt is a gang: PodGroups are served, and no pod of the attempt
+        was created without one (an attempt begun by an operator without the API, or with
+        the setting off, ends the way it began)."""
+        if not await self.gang_served():
+            return False
+        return all((p.body.get("spec") or {}).get("schedulingGroup") for p in t.current.values())
+
+    async def drop_pod_groups(self, t: Tick, attempts: Iterable[int]) -> None:
+        """Delete the PodGroups of ``attempts`` (their pods are gone or going): a finished,
+        suspended or replaced attempt's gang goes with it. A PodGroup's finalizer keeps it
+        while a pod still uses it. A failed delete is logged and left to the garbage collector
+        (the PodGroup is owned by the TrainingJob), never in the way of the restart."""
+        if not await self.gang_served():
+            return
+        for attempt in sorted(set(attempts)):
+            key = (t.spec.namespace, t.spec.uid, attempt)
+            if attempt < 0 or key in self._dropped:
+                continue
+            name = manifests.pod_group_name(t.spec.name, attempt)
+            try:
+                await self._kube.delete_pod_group(t.spec.namespace, name)
+            except KubeError as e:
+                _log.warning("PodGroup %s/%s not deleted: %s", t.spec.namespace, name, e)
+                continue
+            self._dropped.add(key)
+
+    async def ensure_pods(self, t: Tick, status: JobStatus, *, replicas: int) -> None:
+        """Create the attempt's missing pods.
+
+        Gang path (PodGroups served): the attempt's PodGroup, then every rank in one pass,
+        ranks 1..n with rank 0's DNS name. Otherwise rank 0 first, the others once it has an
+        IP. ``masterAddr`` is recorded when every pod exists; until then nothing is missing.
         """
         spec = t.spec
         if status.master_addr or not t.memory.may_create(t.now):
             return
         every = await self._interval(t, status) if spec.auto_interval else None
+        gang = await self._gang(t)
+        group = manifests.pod_group_name(spec.name, status.attempt) if gang else None
 
         def body(rank: int, master: str | None) -> dict[str, Any]:
             return manifests.pod_manifest(
                 spec, self._config, attempt=status.attempt, rank=rank, replicas=replicas,
                 master_addr=master, resume_step=status.resumed_from_step,
-                avoid_nodes=list(status.avoid_nodes), every_seconds=every,
+                avoid_nodes=list(status.avoid_nodes), every_seconds=every, pod_group=group,
             )  # fmt: skip
 
+        if group is not None:
+            manifest = manifests.pod_group_manifest(spec, attempt=status.attempt, replicas=replicas)
+            if not await self._create(t, status, kind="PodGroup", body=manifest):
+                return
+            name = manifests.master_dns_name(spec, self._config, status.attempt)
+            for rank in range(replicas):
+                if rank not in t.current and not await self._create(
+                    t, status, kind="pod", body=body(rank, None if rank == 0 else name)
+                ):
+                    return
+            await self._writer.patch(t, t.patch().set({"masterAddr": name}))
+            return
         rank0 = t.current.get(0)
         if rank0 is None:
             await self._create(t, status, kind="pod", body=body(0, None))
@@ -143,12 +212,17 @@ class Creator:
         await self._writer.event(t.job, "Warning", "PodTemplateRefused", message)
 
     async def _create(self, t: Tick, status: JobStatus, *, kind: str, body: dict[str, Any]) -> bool:
-        """Create a pod or the Service; on an error, report it and return False.
+        """Create a pod, the Service or a PodGroup; on an error, report it and return False.
 
         Every error goes to ``status.message``, a condition and an Event that quote the API
         server (which names the field).
         """
-        create = self._kube.create_pod if kind == "pod" else self._kube.create_service
+        if kind == "pod":
+            create = self._kube.create_pod
+        elif kind == "service":
+            create = self._kube.create_service
+        else:
+            create = self._kube.create_pod_group
         try:
             await create(t.spec.namespace, body)
         except KubeError as e:
@@ -173,8 +247,9 @@ class Creator:
         ]
         named = f" (field {', '.join(fields)})" if fields else ""
         patch = t.patch_of(status)
+        title = kind[0].upper() + kind[1:]
         if error.permanent:
-            reason = "PodRejected" if kind == "pod" else "ServiceRejected"
+            reason = f"{title}Rejected"
             fix = (
                 "fix spec.template and re-create the TrainingJob"
                 if kind == "pod"
@@ -190,7 +265,7 @@ class Creator:
         memory.create_failures += 1
         delay = min(_CREATE_BACKOFF_CEILING, 2.0 ** (memory.create_failures - 1))
         memory.create_retry_at = t.now + timedelta(seconds=delay)
-        reason = "PodCreateFailed" if kind == "pod" else "ServiceCreateFailed"
+        reason = f"{title}CreateFailed"
         message = f"could not create the {kind}{named}: {error}; retrying in {delay:.0f}s"
         patch.condition("Degraded", True, reason, message).set({"message": message})
         if status.phase is not None:  # a job not started yet has no status to add to

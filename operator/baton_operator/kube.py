@@ -241,6 +241,66 @@ class Kube:
         """Create a Service; return False when it already existed."""
         return await self._create("services", namespace, body, "service")
 
+    @_needs("scheduling.k8s.io", "podgroups", "create")
+    async def create_pod_group(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a ``scheduling.k8s.io/v1beta1`` PodGroup; return False when it existed."""
+        return await self._create(
+            "podgroups", namespace, body, "PodGroup",
+            prefix="/apis/scheduling.k8s.io/v1beta1",
+        )  # fmt: skip
+
+    @_needs("scheduling.k8s.io", "podgroups", "delete")
+    async def delete_pod_group(self, namespace: str, name: str) -> None:
+        """Delete a PodGroup (gone already is fine). Its finalizer keeps it until no pod
+        uses it any more (the controller-manager's podgroup-protection controller)."""
+        try:
+            await asyncio.to_thread(
+                self._custom.delete_namespaced_custom_object,
+                "scheduling.k8s.io",
+                "v1beta1",
+                namespace,
+                "podgroups",
+                name,
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise _translate(e, f"deleting PodGroup {namespace}/{name}") from e
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``group_version`` (e.g.
+        ``scheduling.k8s.io/v1beta1``), from its discovery document.
+
+        Discovery needs no RBAC rule of the operator's own: every authenticated client may
+        read it (the built-in ``system:discovery`` role). A group that is not served answers
+        404; any other error is raised, so that a caller never mistakes an outage for "no".
+        """
+        path = f"/apis/{group_version}" if "/" in group_version else f"/api/{group_version}"
+        try:
+            data = await asyncio.to_thread(self._get_json, path)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise _translate(e, f"discovering {group_version}") from e
+        resources = data.get("resources") or []
+        return any(isinstance(r, dict) and r.get("name") == plural for r in resources)
+
+    def _get_json(self, path: str) -> dict[str, Any]:
+        params = self._api.param_serialize(
+            method="GET",
+            resource_path=path,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        resp = self._api.call_api(*params)
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException.from_response(
+                http_resp=resp, body=resp.data.decode("utf-8", "replace"), data=None
+            )
+        answer = json.loads(resp.data)
+        return answer if isinstance(answer, dict) else {}
+
     @_needs("", "secrets", "create")
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create a Secret; return False when it already existed."""
@@ -264,14 +324,17 @@ class Kube:
             return None
         return base64.b64decode(data[key]).decode()
 
-    async def _create(self, plural: str, namespace: str, body: dict[str, Any], kind: str) -> bool:
+    async def _create(
+        self, plural: str, namespace: str, body: dict[str, Any], kind: str, *,
+        prefix: str = "/api/v1",
+    ) -> bool:  # fmt: skip
         # Sent as the raw JSON the user wrote, not through the client's generated models: those
         # re-validate the body and refuse what the API server accepts (client 37 rejects the
         # integer quantity in `nvidia.com/gpu: 8`, the way every GPU manifest is written).
         name = body.get("metadata", {}).get("name", "?")
         try:
             await asyncio.to_thread(
-                self._post_json, f"/api/v1/namespaces/{{namespace}}/{plural}", namespace, body
+                self._post_json, f"{prefix}/namespaces/{{namespace}}/{plural}", namespace, body
             )
         except ApiException as e:
             if _is_already_exists(e):

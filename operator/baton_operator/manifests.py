@@ -3,10 +3,18 @@
 Names are deterministic (``<job>-a<attempt>-r<rank>``), so a handler that runs twice creates
 nothing twice, and an operator restarted mid-flow finds (adopts) what its previous life made.
 
-Rendezvous without DNS: rank 0's pod is created first and reads its own IP through the
-downward API (``status.podIP``); the other ranks are created once rank 0 has an IP and get it
-as a literal ``MASTER_ADDR``. A pod IP needs no DNS record, so there is no race between a pod
-starting and its name resolving, in a real cluster or in the local one (which has no DNS).
+Two ways to rendezvous (docs/operator.md, "Gang scheduling"):
+
+- Without the PodGroup API (no DNS needed): rank 0's pod is created first and reads its own IP
+  through the downward API (``status.podIP``); the other ranks are created once rank 0 has an
+  IP and get it as a literal ``MASTER_ADDR``. A pod IP needs no DNS record, so there is no race
+  between a pod starting and its name resolving.
+- Gang scheduling (a ``scheduling.k8s.io/v1beta1`` PodGroup per attempt): a gang is admitted
+  only once all its pods exist, so every rank is created at once, before rank 0 has an IP, and
+  ranks 1..n get rank 0's DNS name (:func:`master_dns_name`), which the job's headless Service
+  (``publishNotReadyAddresses``) makes resolve as soon as rank 0 has an IP. Rank 0 still reads
+  its own IP. torch's TCPStore client retries a name that does not resolve yet until its
+  timeout, as it retries a refused connection.
 """
 
 from __future__ import annotations
@@ -36,7 +44,10 @@ __all__ = [
     "TRAINER_NAME",
     "job_selector",
     "kueue_group",
+    "master_dns_name",
     "owner_reference",
+    "pod_group_manifest",
+    "pod_group_name",
     "pod_labels",
     "pod_manifest",
     "pod_name",
@@ -56,6 +67,12 @@ admission); read from Kueue's ``pkg/controller/jobs/pod/constants`` (docs/operat
 KUEUE_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
 """How many pods the group has: Kueue admits none of them before it sees this many."""
 _MAX_LABEL_VALUE: Final = 63
+POD_GROUP_API_GROUP: Final = "scheduling.k8s.io"
+POD_GROUP_VERSION: Final = "v1beta1"
+POD_GROUP_PLURAL: Final = "podgroups"
+"""Kubernetes 1.37's gang-scheduling API (beta, ``GenericWorkload`` gate): field names read
+from ``k8s.io/api`` v0.37.2, ``scheduling/v1beta1/types.go`` and ``core/v1``'s
+``PodSchedulingGroup``."""
 
 TRAINER_NAME: Final = "trainer"
 SIDECAR_NAME: Final = "baton-sidecar"
@@ -132,6 +149,54 @@ def kueue_group(job: str, attempt: int) -> str:
     return f"{name[: _MAX_LABEL_VALUE - 11].rstrip('-.')}-{digest}"
 
 
+def pod_group_name(job: str, attempt: int) -> str:
+    """The attempt's PodGroup: the same name as its Kueue pod group (one gang per attempt)."""
+    return kueue_group(job, attempt)
+
+
+def _hostname(spec: JobSpec, attempt: int, rank: int) -> str:
+    return str(
+        (spec.template.get("spec") or {}).get("hostname") or pod_name(spec.name, attempt, rank)
+    )
+
+
+def _subdomain(spec: JobSpec) -> str:
+    return str((spec.template.get("spec") or {}).get("subdomain") or spec.name)
+
+
+def master_dns_name(spec: JobSpec, config: OperatorConfig, attempt: int) -> str:
+    """Rank 0's DNS name in ``attempt``: ``<hostname>.<subdomain>.<ns>.svc.<domain>``.
+
+    The pods' ``hostname`` and ``subdomain`` (``pod_manifest``) under the job's headless
+    Service named like the subdomain give this A record (the Kubernetes DNS spec).
+    """
+    host = _hostname(spec, attempt, 0)
+    return f"{host}.{_subdomain(spec)}.{spec.namespace}.svc.{config.cluster_domain}"
+
+
+def pod_group_manifest(spec: JobSpec, *, attempt: int, replicas: int) -> dict[str, Any]:
+    """The attempt's PodGroup: a gang of all ``replicas`` pods, owned by the TrainingJob.
+
+    The scheduler binds none of the pods that name it (``spec.schedulingGroup``) until all
+    ``minCount`` of them exist and fit, so no rank holds a GPU while a peer cannot be placed.
+    """
+    return {
+        "apiVersion": f"{POD_GROUP_API_GROUP}/{POD_GROUP_VERSION}",
+        "kind": "PodGroup",
+        "metadata": {
+            "name": pod_group_name(spec.name, attempt),
+            "namespace": spec.namespace,
+            "labels": {
+                JOB_LABEL: spec.name,
+                ATTEMPT_LABEL: str(attempt),
+                MANAGED_BY_LABEL: MANAGED_BY,
+            },
+            "ownerReferences": [owner_reference(spec)],
+        },
+        "spec": {"schedulingPolicy": {"gang": {"minCount": replicas}}},
+    }
+
+
 def owner_reference(spec: JobSpec) -> dict[str, Any]:
     """Owned by the TrainingJob, so deleting the job garbage-collects everything it made.
 
@@ -164,7 +229,9 @@ def token_secret_manifest(spec: JobSpec, token: str) -> dict[str, Any]:
 
 
 def service_manifest(spec: JobSpec) -> dict[str, Any]:
-    """A headless Service over the job's pods (stable DNS for tools; not used to rendezvous)."""
+    """The headless Service over the job's pods: with the pods' ``hostname``/``subdomain`` it
+    gives each rank a DNS name, rank 0's being the gang path's ``MASTER_ADDR``; not-ready
+    addresses are published, so the name resolves as soon as rank 0 has an IP."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -204,7 +271,8 @@ def _trainer_env(
     every_seconds: int | None,
 ) -> list[dict[str, Any]]:
     procs = spec.procs_per_replica
-    # Rank 0 is its own master: its IP comes from the downward API, no DNS involved.
+    # Rank 0 is its own master: its IP comes from the downward API, no DNS involved. The
+    # others get rank 0's IP, or (gang path) its DNS name.
     master = (
         _field_env("MASTER_ADDR", "status.podIP")
         if rank == 0 or master_addr is None
@@ -339,15 +407,21 @@ def pod_manifest(
     resume_step: int | None,
     avoid_nodes: Iterable[str] = (),
     every_seconds: int | None = None,
+    pod_group: str | None = None,
 ) -> dict[str, Any]:
     """The pod of ``rank`` in ``attempt``: the user's template plus Baton's contract.
 
-    ``master_addr`` is rank 0's pod IP (None only for rank 0, which reads its own).
+    ``master_addr`` is rank 0's pod IP or, with a ``pod_group`` (gang scheduling), its DNS
+    name (None only for rank 0, which reads its own IP). ``pod_group`` links the pod to the
+    attempt's PodGroup (``spec.schedulingGroup``).
     ``every_seconds`` is the interval chosen for the attempt when the spec says
     ``everySeconds: auto`` (interval.py); otherwise the spec's own value is used.
     """
     if rank != 0 and master_addr is None:
-        raise ValueError(f"rank {rank} needs rank 0's pod IP as master_addr: create rank 0 first")
+        raise ValueError(
+            f"rank {rank} needs rank 0's pod IP (create rank 0 first) or, with a PodGroup, "
+            "its DNS name (master_dns_name) as master_addr"
+        )
     if spec.auto_interval and every_seconds is None:
         raise ValueError(
             "spec.checkpoint.everySeconds is auto: pass the interval chosen for the attempt "
@@ -437,6 +511,8 @@ def pod_manifest(
     pod_spec.setdefault("automountServiceAccountToken", False)
     pod_spec.setdefault("hostname", pod_name(spec.name, attempt, rank))
     pod_spec.setdefault("subdomain", spec.name)
+    if pod_group is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group}
 
     labels = {**(tmeta.get("labels") or {}), **pod_labels(spec.name, attempt, rank)}
     annotations = dict(tmeta.get("annotations") or {})

@@ -99,6 +99,13 @@ class OperatorConfig:
     """TCP/TLS connect timeout of watch requests."""
     graces: Graces = field(default_factory=Graces)
     """Provider grace periods for notices that carry no end time."""
+    cluster_domain: str = "cluster.local"
+    """The cluster's DNS domain (the kubelet's ``clusterDomain``). With gang scheduling the
+    ranks meet at rank 0's DNS name ``<hostname>.<job>.<namespace>.svc.<cluster_domain>``."""
+    gang_scheduling: bool = False
+    """Create a ``scheduling.k8s.io/v1beta1`` PodGroup per attempt, and every rank at once,
+    where the API server serves PodGroups (docs/operator.md, "Gang scheduling"). False keeps
+    the path of clusters without the API (rank 0 first, its pod IP) everywhere."""
 
     def __post_init__(self) -> None:
         if self.watch_client_timeout_seconds <= self.watch_server_timeout_seconds:
@@ -121,5 +128,10 @@ class OperatorConfig:
             )
         if self.lease_retry_seconds <= 0:
             raise ValueError("lease_retry_seconds must be > 0")
+        if not self.cluster_domain or self.cluster_domain.strip(".") != self.cluster_domain:
+            raise ValueError(
+                "cluster_domain must be a DNS domain such as cluster.local (no leading or "
+                "trailing dot): set --cluster-domain to the kubelet's clusterDomain"
+            )
         if not self.sidecar_command:
             raise ValueError("sidecar_command must name the sidecar executable")

@@ -148,6 +148,8 @@ def test_defaults_render_the_operator(helm: str) -> None:
         "--identity=$(POD_NAME)",
         f"--operator-namespace={NAMESPACE}",
         "--all-namespaces",
+        "--cluster-domain=cluster.local",
+        "--no-gang-scheduling",
     ]
     # Each replica serves its probes on its own pod IP: on 0.0.0.0, replicas that share a
     # network namespace (the local cluster's, a hostNetwork install) would take one port.
@@ -293,6 +295,8 @@ def test_custom_values_reach_the_deployment(helm: str) -> None:
         "--standalone",
         "--namespace=ml-research",
         "--namespace=ml-prod",
+        "--cluster-domain=k8s.corp.internal",
+        "--no-gang-scheduling",
         "--verbose",
     ]
     assert container["env"][2:] == [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}]

@@ -368,3 +368,60 @@ def test_kueue_metadata_joins_the_templates_own_and_names_the_attempts_group() -
     assert len(groups) == 3
     assert all(len(g) <= 63 and g.startswith("j" * 40) for g in groups)
     assert "kueue.x-k8s.io/pod-group-name" not in build()["metadata"]["labels"]
+
+
+# ----------------------------------------------------------------- gang scheduling
+
+
+def test_pod_group_is_a_gang_of_every_pod_of_the_attempt_owned_by_the_job() -> None:
+    group = manifests.pod_group_manifest(spec(), attempt=3, replicas=4)
+    assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
+    assert group["kind"] == "PodGroup"
+    assert group["metadata"]["name"] == "tiny-a3" == manifests.kueue_group("tiny", 3)
+    assert group["metadata"]["namespace"] == "ml"
+    assert group["metadata"]["labels"] == {
+        "baton.dev/job": "tiny",
+        "baton.dev/attempt": "3",
+        "app.kubernetes.io/managed-by": "baton",
+    }
+    (owner,) = group["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingJob", "u-1", True)
+    assert group["spec"] == {"schedulingPolicy": {"gang": {"minCount": 4}}}
+
+
+def test_a_long_jobs_pod_group_is_its_kueue_group_within_63_characters() -> None:
+    name = "j" * 70
+    assert manifests.pod_group_name(name, 12) == manifests.kueue_group(name, 12)
+    assert len(manifests.pod_group_name(name, 12)) <= 63
+
+
+def test_gang_pods_link_to_the_group_and_meet_at_rank_0s_dns_name() -> None:
+    domain = OperatorConfig(cluster_domain="k8s.corp.internal")
+    master = manifests.master_dns_name(spec(), domain, 3)
+    assert master == "tiny-a3-r0.tiny.ml.svc.k8s.corp.internal"
+    assert manifests.master_dns_name(spec(), CONFIG, 3).endswith(".ml.svc.cluster.local")
+    rank0 = build(rank=0, master_addr=None, pod_group="tiny-a3")
+    rank1 = build(rank=1, master_addr=master, pod_group="tiny-a3")
+    for pod in (rank0, rank1):
+        assert pod["spec"]["schedulingGroup"] == {"podGroupName": "tiny-a3"}
+    # The name is rank 0's hostname under the job's subdomain (the headless Service).
+    assert (rank0["spec"]["hostname"], rank0["spec"]["subdomain"]) == ("tiny-a3-r0", "tiny")
+    assert master.startswith(f"{rank0['spec']['hostname']}.{rank0['spec']['subdomain']}.ml.")
+    env0, env1 = env_of(trainer(rank0)), env_of(trainer(rank1))
+    assert env0["MASTER_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env1["MASTER_ADDR"] == env1["PET_MASTER_ADDR"] == master
+    assert "schedulingGroup" not in build(rank=1)["spec"], "no group: no link"
+
+
+def test_a_template_hostname_and_subdomain_name_the_master() -> None:
+    s = spec()
+    template = copy.deepcopy(dict(s.template))
+    template["spec"].update(hostname="h", subdomain="sub")
+    s = replace(s, template=template)
+    assert manifests.master_dns_name(s, CONFIG, 0) == "h.sub.ml.svc.cluster.local"
+
+
+def test_the_cluster_domain_must_be_a_bare_domain() -> None:
+    for bad in ("", ".cluster.local", "cluster.local."):
+        with pytest.raises(ValueError, match="--cluster-domain"):
+            OperatorConfig(cluster_domain=bad)

@@ -23,6 +23,10 @@ WORKLOAD = [
     {"apiGroups": ["baton.dev"], "resources": ["trainingjobs"],
      "verbs": ["get", "list", "patch", "watch"]},
     {"apiGroups": ["baton.dev"], "resources": ["trainingjobs/status"], "verbs": ["patch"]},
+    # Gang scheduling: an attempt's PodGroup is created with its pods and deleted with them
+    # (creating.py); never read, listed or watched (discovery needs no rule).
+    {"apiGroups": ["scheduling.k8s.io"], "resources": ["podgroups"],
+     "verbs": ["create", "delete"]},
 ]  # fmt: skip
 NODES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}]
 # The operator's own namespace: the Lease and the token key, by name.

@@ -59,6 +59,10 @@ class FakeKube:
         self.conflicts = 0
         self.before_write: Callable[[FakeKube], None] | None = None
         """Runs once, just before the next status write: another writer racing this one."""
+        self.pod_groups: dict[str, dict[str, Any]] | None = None
+        """The PodGroups that exist; None: the API server does not serve the API."""
+        self.deleted_groups: list[str] = []
+        self.discoveries = 0
 
     def bump(self) -> str:
         version = str(int(self.job["metadata"]["resourceVersion"]) + 1)
@@ -130,6 +134,28 @@ class FakeKube:
 
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
         return True
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Discovery: PodGroups are served only when a test says so (``pod_groups``)."""
+        self.discoveries += 1
+        return self.pod_groups is not None and (group_version, plural) == (
+            "scheduling.k8s.io/v1beta1",
+            "podgroups",
+        )
+
+    async def create_pod_group(self, namespace: str, body: dict[str, Any]) -> bool:
+        assert self.pod_groups is not None, "a PodGroup sent to a cluster that serves none"
+        name = body["metadata"]["name"]
+        if name in self.pod_groups:
+            return False
+        self.pod_groups[name] = copy.deepcopy(body)
+        self.created.append(f"podgroup/{name}")
+        return True
+
+    async def delete_pod_group(self, namespace: str, name: str) -> None:
+        assert self.pod_groups is not None, "a PodGroup deleted on a cluster that serves none"
+        self.deleted_groups.append(name)
+        self.pod_groups.pop(name, None)
 
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
         return True
@@ -207,8 +233,8 @@ def job_body(**failure_policy: Any) -> dict[str, Any]:
 class Harness:
     """One Reconciler over the fakes, and the steps a test takes with it."""
 
-    def __init__(self, **failure_policy: Any) -> None:
-        self.config = OperatorConfig()
+    def __init__(self, *, config: OperatorConfig | None = None, **failure_policy: Any) -> None:
+        self.config = config or OperatorConfig()
         self.kube = FakeKube(job_body(**failure_policy))
         self.sidecars = FakeSidecars()
         self.cluster = ClusterView(config=self.config)
@@ -1266,3 +1292,189 @@ def test_the_history_keeps_the_newest_twenty() -> None:
     assert history[0] == old[1], "the oldest went"
     assert history[-1]["attempt"] == 0
     assert "stepsLost" not in history[-1], "no step was ever reported: unknown, not 0"
+
+
+# ----------------------------------------------------------------- gang scheduling (PodGroup)
+
+GANG = OperatorConfig(gang_scheduling=True)
+MASTER_NAME = f"{JOB}-a{{attempt}}-r0.{JOB}.{NS}.svc.cluster.local"
+
+
+def _gang(h: Harness) -> None:
+    """The API server serves scheduling.k8s.io/v1beta1 PodGroups (none exist yet)."""
+    h.kube.pod_groups = {}
+    for i in range(REPLICAS):
+        h.node(f"n{i}")
+
+
+def _assert_gang_attempt(h: Harness, attempt: int) -> None:
+    """The attempt's PodGroup (all ranks, owned by the job) and every rank linked to it, the
+    ranks 1..n rendezvousing at rank 0's DNS name, rank 0 at its own pod IP."""
+    assert h.kube.pod_groups is not None
+    group = h.kube.pod_groups[f"{JOB}-a{attempt}"]
+    assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
+    assert group["kind"] == "PodGroup"
+    assert group["spec"] == {"schedulingPolicy": {"gang": {"minCount": REPLICAS}}}
+    assert group["metadata"]["namespace"] == NS
+    assert group["metadata"]["labels"]["baton.dev/attempt"] == str(attempt)
+    assert [(o["kind"], o["uid"]) for o in group["metadata"]["ownerReferences"]] == [
+        ("TrainingJob", "uid-1")
+    ]
+    master = MASTER_NAME.format(attempt=attempt)
+    for rank in range(REPLICAS):
+        pod = h.kube.pods[h.pod(attempt, rank)]
+        assert pod["spec"]["schedulingGroup"] == {"podGroupName": f"{JOB}-a{attempt}"}
+        assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (h.pod(attempt, rank), JOB)
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        for name in ("MASTER_ADDR", "PET_MASTER_ADDR"):
+            if rank == 0:
+                assert env[name]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+            else:
+                assert env[name]["value"] == master
+    assert h.kube.status["masterAddr"] == master
+
+
+def test_a_gang_attempt_creates_its_pod_group_then_every_rank_in_one_pass() -> None:
+    h = Harness(config=GANG)
+    _gang(h)
+    h.tick()  # Secret, Service, Pending
+    h.tick()
+    # No pod has an IP (none is bound): every rank exists anyway, after the group.
+    assert h.kube.created == [f"podgroup/{JOB}-a0", *(h.pod(0, r) for r in range(REPLICAS))]
+    _assert_gang_attempt(h, 0)
+    h.tick()
+    assert len(h.kube.created) == 1 + REPLICAS, "nothing is created twice"
+    assert h.kube.discoveries == 1, "the served APIs are discovered once, then cached"
+    for rank in range(REPLICAS):
+        h.kube.run(h.pod(0, rank), node=f"n{rank}", ip=f"10.0.0.{rank + 1}")
+        h.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(state="idle")
+    h.tick()
+    assert h.kube.status["phase"] == "Running"
+    assert h.kube.deleted_groups == []
+
+
+def test_a_restart_drops_the_old_attempts_pod_group_and_gangs_the_new_one() -> None:
+    h = Harness(config=GANG)
+    _gang(h)
+    h.tick()
+    h.tick()
+    for rank in range(REPLICAS):
+        h.kube.run(h.pod(0, rank), node=f"n{rank}", ip=f"10.0.0.{rank + 1}")
+        h.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(state="idle")
+    h.tick()
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    # The old attempt's pods and its gang go together (the group's finalizer keeps it
+    # until the pods are gone).
+    assert h.kube.deleted_groups == [f"{JOB}-a0"]
+    assert "masterAddr" not in h.kube.status
+    h.tick()  # Restarting -> Pending: the new attempt, all at once
+    assert h.kube.status["phase"] == "Pending"
+    _assert_gang_attempt(h, 1)
+    for rank in range(REPLICAS):
+        h.kube.run(h.pod(1, rank), node=f"n{rank}", ip=f"10.0.1.{rank + 1}")
+        pod = h.kube.pods[h.pod(1, rank)]
+        pod["status"]["phase"] = "Succeeded"
+        pod["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    h.tick()
+    assert h.kube.status["phase"] == "Succeeded"
+    assert h.tick() is None
+    assert h.kube.deleted_groups == [f"{JOB}-a0", f"{JOB}-a1"], "a finished gang goes too"
+    assert h.kube.discoveries == 1
+
+
+def test_a_suspend_drops_the_gang_and_the_unsuspended_attempt_gets_a_new_one() -> None:
+    h = Harness(config=GANG)
+    _gang(h)
+    h.tick()
+    h.tick()
+    _assert_gang_attempt(h, 0)
+    _suspend(h, True)  # Pending, nothing trained: stops at once
+    h.tick()
+    assert h.kube.status["phase"] == "Suspended"
+    assert h.kube.deleted_groups == [f"{JOB}-a0"]
+    _suspend(h, False)
+    h.tick()
+    assert h.kube.status["phase"] == "Pending"
+    _assert_gang_attempt(h, 1)
+
+
+def test_without_the_pod_group_api_rank_0_comes_first_and_its_ip_is_the_master() -> None:
+    h = Harness(config=GANG)  # the fake serves no scheduling.k8s.io/v1beta1
+    h.tick()
+    h.tick()
+    assert h.kube.created == [h.pod(0, 0)], "the others wait for rank 0's IP"
+    h.tick()
+    assert h.kube.created == [h.pod(0, 0)]
+    h.kube.run(h.pod(0, 0), node="n0", ip="10.0.0.1")
+    h.tick()
+    assert h.kube.created == [h.pod(0, r) for r in range(REPLICAS)]
+    assert h.kube.status["masterAddr"] == "10.0.0.1"
+    for rank in range(REPLICAS):
+        pod = h.kube.pods[h.pod(0, rank)]
+        assert "schedulingGroup" not in pod["spec"]
+        if rank:
+            assert _env_of(h, 0, rank)["MASTER_ADDR"] == "10.0.0.1"
+    assert h.kube.discoveries == 1
+
+
+def test_gang_scheduling_off_never_asks_for_the_api() -> None:
+    h = Harness(config=OperatorConfig(gang_scheduling=False))
+    _gang(h)
+    h.tick()
+    h.tick()
+    assert h.kube.created == [h.pod(0, 0)]
+    assert h.kube.pod_groups == {}
+    assert h.kube.discoveries == 0
+
+
+def test_an_attempt_begun_without_a_pod_group_ends_the_way_it_began() -> None:
+    """An operator upgraded (or switched on) mid-attempt finds rank 0 without a group: the
+    attempt keeps the rank-0-first path; a gang of n whose rank 0 is outside it never binds."""
+    h = Harness(config=OperatorConfig(gang_scheduling=False))
+    h.tick()
+    h.tick()
+    assert h.kube.created == [h.pod(0, 0)]
+    served = Harness(config=GANG)
+    served.kube = h.kube
+    served.memory = h.memory
+    served.reconciler = Reconciler(
+        kube=cast(Any, h.kube), sidecars=cast(Any, h.sidecars), cluster=h.cluster,
+        metrics=Metrics(CollectorRegistry()), config=GANG, post_event=_no_event,
+        token_for=lambda spec: "token",
+    )  # fmt: skip
+    _gang(served)
+    served.tick()
+    assert served.kube.created == [h.pod(0, 0)]
+    served.kube.run(h.pod(0, 0), node="n0", ip="10.0.0.1")
+    served.tick()
+    assert served.kube.created == [h.pod(0, r) for r in range(REPLICAS)]
+    assert served.kube.pod_groups == {}
+    assert served.kube.status["masterAddr"] == "10.0.0.1"
+
+
+async def _no_event(job: Any, kind: str, reason: str, message: str) -> None:
+    return None
+
+
+def test_a_refused_pod_group_fails_the_job_naming_it() -> None:
+    h = Harness(config=GANG)
+    _gang(h)
+    h.tick()
+
+    async def refuse(namespace: str, body: dict[str, Any]) -> bool:
+        raise KubeError.from_answer(
+            "creating PodGroup team/tj-a0: HTTP 422: PodGroup.scheduling.k8s.io \"tj-a0\" is "
+            "invalid: spec.schedulingPolicy.gang.minCount: Invalid value",
+            status=422, fields=("spec.schedulingPolicy.gang.minCount",),
+        )  # fmt: skip
+
+    h.kube.create_pod_group = refuse  # type: ignore[method-assign]
+    h.tick()
+    assert h.kube.status["phase"] == "Failed"
+    assert h.kube.condition("Failed")["reason"] == "PodGroupRejected"
+    assert "spec.schedulingPolicy.gang.minCount" in h.kube.status["message"]
+    assert h.kube.created == [], "no rank is created without its gang"
