@@ -804,13 +804,20 @@ class Reconciler:
         # The scheduler is the judge of capacity (node selectors, taints, resources, one rank
         # per node): the ranks it could place are what the job can have now.
         placed = sum(1 for p in t.current.values() if p.node)
-        target = lifecycle.elastic_replicas(spec, current=replicas, placeable=placed)
+        placeable, why = placed, f"{placed} could be placed"
+        if not placed and any(
+            (p.body.get("spec") or {}).get("schedulingGroup") for p in t.current.values()
+        ):
+            # A gang binds all of its pods or none, so how many would fit is not known: one
+            # replica fewer each time, down to minReplicas (the largest size that fits wins).
+            placeable, why = replicas - 1, "a gang: none is bound until all fit; one fewer"
+        target = lifecycle.elastic_replicas(spec, current=replicas, placeable=placeable)
         if target is None:
             return
         await self._restart(
             t, kind="elastic", resume_step=status.resume_step,
             detail=f"{detail} for {spec.elastic_wait_seconds:.0f}s; shrinking from {replicas} "
-            f"to {target} replicas ({placed} could be placed)",
+            f"to {target} replicas ({why})",
             replicas=target,
             # Noticed nodes are gone or going; a shrunk job may use any node that is left.
             extra={"avoidNodes": []},

@@ -1478,3 +1478,29 @@ def test_a_refused_pod_group_fails_the_job_naming_it() -> None:
     assert h.kube.condition("Failed")["reason"] == "PodGroupRejected"
     assert "spec.schedulingPolicy.gang.minCount" in h.kube.status["message"]
     assert h.kube.created == [], "no rank is created without its gang"
+
+
+def test_a_gang_that_does_not_fit_shrinks_one_replica_at_a_time_to_min_replicas() -> None:
+    """A gang binds all or none, so "how many could be placed" is unknown: each elastic step
+    tries one replica fewer (not straight to minReplicas), and that attempt is a gang too."""
+    h = Harness(config=GANG)
+    h.kube.job["spec"].update(minReplicas=1, elasticWaitSeconds=0)
+    _gang(h)
+    h.tick()
+    h.tick()
+    for rank in range(REPLICAS):
+        h.kube.pods[h.pod(0, rank)]["status"] = {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}],
+        }
+    h.tick()  # unschedulableSince
+    h.tick()  # the wait (0 s) is over: shrink
+    status = h.kube.status
+    assert (status["phase"], status["restartReason"]) == ("Restarting", "elastic"), status
+    assert status["replicas"] == REPLICAS - 1
+    assert "a gang: none is bound until all fit" in status["message"]
+    assert h.kube.deleted_groups == [f"{JOB}-a0"]
+    h.tick()  # the old pods are gone: the smaller attempt, as a gang of its own
+    group = (h.kube.pod_groups or {})[f"{JOB}-a1"]
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == REPLICAS - 1
+    assert sorted(n for n in h.kube.pods if "-a1-" in n) == [h.pod(1, r) for r in range(2)]
