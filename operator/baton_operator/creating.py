@@ -155,8 +155,9 @@ class Creator:
         """Create the attempt's missing pods.
 
         Gang path (PodGroups served): the attempt's PodGroup, then every rank in one pass,
-        ranks 1..n with rank 0's DNS name. Otherwise rank 0 first, the others once it has an
-        IP. ``masterAddr`` is recorded when every pod exists; until then nothing is missing.
+        each with rank 0's DNS name as the master address. Otherwise rank 0 first, the others
+        once it has an IP. ``masterAddr`` is recorded when every pod exists; until then
+        nothing is missing.
         """
         spec = t.spec
         if status.master_addr or not t.memory.may_create(t.now):
@@ -179,7 +180,7 @@ class Creator:
             name = manifests.master_dns_name(spec, self._config, status.attempt)
             for rank in range(replicas):
                 if rank not in t.current and not await self._create(
-                    t, status, kind="pod", body=body(rank, None if rank == 0 else name)
+                    t, status, kind="pod", body=body(rank, name)
                 ):
                     return
             await self._writer.patch(t, t.patch().set({"masterAddr": name}))

@@ -11,10 +11,11 @@ Two ways to rendezvous (docs/operator.md, "Gang scheduling"):
   between a pod starting and its name resolving.
 - Gang scheduling (a ``scheduling.k8s.io/v1beta1`` PodGroup per attempt): a gang is admitted
   only once all its pods exist, so every rank is created at once, before rank 0 has an IP, and
-  ranks 1..n get rank 0's DNS name (:func:`master_dns_name`), which the job's headless Service
-  (``publishNotReadyAddresses``) makes resolve as soon as rank 0 has an IP. Rank 0 still reads
-  its own IP. torch's TCPStore client retries a name that does not resolve yet until its
-  timeout, as it retries a refused connection.
+  every rank gets rank 0's DNS name (:func:`master_dns_name`), which the job's headless Service
+  (``publishNotReadyAddresses``) makes resolve as soon as rank 0 has an IP (and rank 0 resolves
+  at once: the kubelet writes a pod's own name into its ``/etc/hosts``). torch's TCPStore
+  client retries a name that does not resolve yet until its timeout, as it retries a refused
+  connection.
 """
 
 from __future__ import annotations
@@ -271,11 +272,12 @@ def _trainer_env(
     every_seconds: int | None,
 ) -> list[dict[str, Any]]:
     procs = spec.procs_per_replica
-    # Rank 0 is its own master: its IP comes from the downward API, no DNS involved. The
-    # others get rank 0's IP, or (gang path) its DNS name.
+    # Without a master address (rank 0 on the rank-0-first path) the pod reads its own IP
+    # from the downward API; otherwise rank 0's IP, or on the gang path every rank (rank 0
+    # too, through the kubelet's /etc/hosts entry for its own name) gets rank 0's DNS name.
     master = (
         _field_env("MASTER_ADDR", "status.podIP")
-        if rank == 0 or master_addr is None
+        if master_addr is None
         else _env("MASTER_ADDR", master_addr)
     )
     env: list[dict[str, Any]] = []
@@ -412,8 +414,9 @@ def pod_manifest(
     """The pod of ``rank`` in ``attempt``: the user's template plus Baton's contract.
 
     ``master_addr`` is rank 0's pod IP or, with a ``pod_group`` (gang scheduling), its DNS
-    name (None only for rank 0, which reads its own IP). ``pod_group`` links the pod to the
-    attempt's PodGroup (``spec.schedulingGroup``).
+    name, given to every rank then; None (rank 0 of the rank-0-first path only) makes the pod
+    read its own IP. ``pod_group`` links the pod to the attempt's PodGroup
+    (``spec.schedulingGroup``).
     ``every_seconds`` is the interval chosen for the attempt when the spec says
     ``everySeconds: auto`` (interval.py); otherwise the spec's own value is used.
     """

@@ -400,16 +400,16 @@ def test_gang_pods_link_to_the_group_and_meet_at_rank_0s_dns_name() -> None:
     master = manifests.master_dns_name(spec(), domain, 3)
     assert master == "tiny-a3-r0.tiny.ml.svc.k8s.corp.internal"
     assert manifests.master_dns_name(spec(), CONFIG, 3).endswith(".ml.svc.cluster.local")
-    rank0 = build(rank=0, master_addr=None, pod_group="tiny-a3")
+    rank0 = build(rank=0, master_addr=master, pod_group="tiny-a3")
     rank1 = build(rank=1, master_addr=master, pod_group="tiny-a3")
     for pod in (rank0, rank1):
         assert pod["spec"]["schedulingGroup"] == {"podGroupName": "tiny-a3"}
     # The name is rank 0's hostname under the job's subdomain (the headless Service).
     assert (rank0["spec"]["hostname"], rank0["spec"]["subdomain"]) == ("tiny-a3-r0", "tiny")
     assert master.startswith(f"{rank0['spec']['hostname']}.{rank0['spec']['subdomain']}.ml.")
-    env0, env1 = env_of(trainer(rank0)), env_of(trainer(rank1))
-    assert env0["MASTER_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert env1["MASTER_ADDR"] == env1["PET_MASTER_ADDR"] == master
+    for pod in (rank0, rank1):
+        env = env_of(trainer(pod))
+        assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == master, "one rendezvous name"
     assert "schedulingGroup" not in build(rank=1)["spec"], "no group: no link"
 
 

@@ -1308,8 +1308,8 @@ def _gang(h: Harness) -> None:
 
 
 def _assert_gang_attempt(h: Harness, attempt: int) -> None:
-    """The attempt's PodGroup (all ranks, owned by the job) and every rank linked to it, the
-    ranks 1..n rendezvousing at rank 0's DNS name, rank 0 at its own pod IP."""
+    """The attempt's PodGroup (all ranks, owned by the job) and every rank linked to it, all
+    of them rendezvousing at rank 0's DNS name."""
     assert h.kube.pod_groups is not None
     group = h.kube.pod_groups[f"{JOB}-a{attempt}"]
     assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
@@ -1327,10 +1327,7 @@ def _assert_gang_attempt(h: Harness, attempt: int) -> None:
         assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (h.pod(attempt, rank), JOB)
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         for name in ("MASTER_ADDR", "PET_MASTER_ADDR"):
-            if rank == 0:
-                assert env[name]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-            else:
-                assert env[name]["value"] == master
+            assert env[name] == {"name": name, "value": master}
     assert h.kube.status["masterAddr"] == master
 
 
