@@ -347,6 +347,8 @@ class MemoryTier:
                     answer.bytes,
                     time.perf_counter() - t0,
                 )
+            elif answer.ok:
+                log.debug("no memory snapshot here or at any peer (a first start)")
             else:
                 log.warning(
                     "no memory snapshot could be completed from peers into %s: %s",

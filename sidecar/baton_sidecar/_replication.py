@@ -642,6 +642,10 @@ class Replicator:
                 "error": None,
             }
             return Answer(id="", ok=True, step=step, bytes=fetched)
+        if not offers and not unreachable:
+            # nothing anywhere (a first start): nothing to complete, and nothing failed
+            self.last_fill = {"step": None, "bytes": 0, "at": time.time(), "error": None}
+            return Answer(id="", ok=True, step=None)
         if unreachable:
             why.append(f"unreachable peers: {', '.join(unreachable)}")
         error = "; ".join(why) or "no snapshot is held here or by any peer"
