@@ -96,6 +96,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # the other container may run as another user (contracts.md)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f)
         os.replace(tmp, path)
