@@ -325,17 +325,14 @@ async def _put_replica(request: web.Request) -> web.Response:
         size = 0
         try:
             with open(part, "wb") as out:
-                buf = bytearray()
+                # Each piece as it arrives (at most `chunk` bytes), hashed and written on the
+                # event loop: into memory (tmpfs) that is a fraction of a millisecond per MiB,
+                # cheaper than a hand-off to a thread and back.
                 async for data in request.content.iter_chunked(chunk):
-                    buf += data
                     size += len(data)
                     if size > expected:
                         break
-                    if len(buf) >= chunk:
-                        await asyncio.to_thread(_write_hashed, out, hasher, bytes(buf))
-                        buf.clear()
-                if buf:
-                    await asyncio.to_thread(_write_hashed, out, hasher, bytes(buf))
+                    _write_hashed(out, hasher, data)
             replicator.end_file(
                 source,
                 step,
