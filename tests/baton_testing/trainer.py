@@ -65,6 +65,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="control directory; '{rank}' is replaced by the rank (one 'pod' per rank), "
         "'{pod}' by RANK // LOCAL_WORLD_SIZE (one directory per pod of several processes)",
     )
+    p.add_argument(
+        "--fast-dir",
+        default=None,
+        help="the memory tier's directory ('{rank}' and '{pod}' as for --control-dir)",
+    )
+    p.add_argument("--fast-every-steps", type=int, default=None)
     p.add_argument("--notice-every", type=int, default=1)
     p.add_argument(
         "--notice-overlap-below",
@@ -131,6 +137,14 @@ def _full(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_full(v) for v in obj]
     return obj
+
+
+def _per_pod(template: str | None, rank: int) -> str | None:
+    """``template`` with ``{rank}`` and ``{pod}`` (RANK // LOCAL_WORLD_SIZE) filled in."""
+    if not template:
+        return None
+    pod = rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return template.replace("{rank}", str(rank)).replace("{pod}", str(pod))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,11 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         every_seconds=args.every_seconds,
         keep_last=args.keep_last,
         async_save=args.async_save,
-        control_dir=args.control_dir.replace("{rank}", str(rank)).replace(
-            "{pod}", str(rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        )
-        if args.control_dir
-        else None,
+        control_dir=_per_pod(args.control_dir, rank),
+        **(
+            {"fast_dir": _per_pod(args.fast_dir, rank), "fast_every_steps": args.fast_every_steps}
+            if args.fast_dir
+            else {}
+        ),
         notice_every=args.notice_every,
         **(
             {"notice_overlap_below": args.notice_overlap_below}
@@ -222,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     step = ckpt.restore()
     print(f"RESUMED_FROM {step}", flush=True)
+    print(f"RESUMED_TIER {ckpt.restored.tier}", flush=True)
 
     log_path = None
     if args.loss_log:
