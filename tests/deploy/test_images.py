@@ -32,7 +32,14 @@ COMPONENTS = {
     "sidecar": (
         "sidecar.Dockerfile",
         "baton-sidecar",
-        [ROOT / "sidecar" / "baton_sidecar", ROOT / "trainer_sdk" / "control.py"],
+        [
+            ROOT / "sidecar" / "baton_sidecar",
+            # the torch-free SDK modules the sidecar imports (import-linter keeps torch out)
+            *(
+                ROOT / "trainer_sdk" / f"{m}.py"
+                for m in ("control", "replication", "layout", "errors", "_version")
+            ),
+        ],
     ),
 }
 
