@@ -77,6 +77,10 @@ type cluster struct {
 	// apiMu serialises stop-apiserver and start-apiserver; apiDown is true in between.
 	apiMu   sync.Mutex
 	apiDown bool
+	// dns is the cluster DNS (dns.go), nil if its address could not be bound.
+	dns *clusterDNS
+	// noPodNamespaces is set once starting a container in its own namespaces failed.
+	noPodNamespaces atomic.Bool
 }
 
 func freePort() (int, error) {
@@ -350,8 +354,18 @@ func up(cfg upConfig, logf func(string, ...any)) error {
 	if err := c.claimIPBlock(); err != nil {
 		return err
 	}
+	if c.dns, err = listenDNS(c.ipBlock, logf); err != nil {
+		logf("cluster DNS: %v; pods get the host's resolv.conf (dnsPolicy Default)", err)
+		c.dns = nil
+	}
 	if err := c.startControlPlane(); err != nil {
 		return err
+	}
+	if c.dns != nil {
+		if err := c.dns.serve(ctx, c.admin); err != nil {
+			return err
+		}
+		logf("cluster DNS for %s on %s:53 (udp, tcp); other names go to %v", c.dns.domain, c.dns.ip, c.dns.upstream)
 	}
 	logf("control plane up after %.1fs", time.Since(start).Seconds())
 	for i := 0; i < cfg.nodes; i++ {
@@ -423,10 +437,15 @@ func (c *cluster) startControlPlane() error {
 	if _, err := c.writeFile("pki/admin.key", adminKey, 0o600); err != nil {
 		return err
 	}
-	info, _ := json.MarshalIndent(map[string]string{
+	fields := map[string]string{
 		"server": c.apiURL, "kubeconfig": adminKC, "caFile": filepath.Join(pki, "ca.crt"),
 		"adminCertFile": filepath.Join(pki, "admin.crt"), "adminKeyFile": filepath.Join(pki, "admin.key"),
-	}, "", "  ")
+		"clusterDomain": clusterDomain,
+	}
+	if c.dns != nil {
+		fields["dnsIP"] = c.dns.ip
+	}
+	info, _ := json.MarshalIndent(fields, "", "  ")
 	if _, err := c.writeFile("cluster.json", info, 0o644); err != nil {
 		return err
 	}

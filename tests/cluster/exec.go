@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -51,15 +52,41 @@ func (w *podWorker) startContainer(cr *containerRun) {
 		cr.nextStart = time.Now().Add(time.Second)
 		return
 	}
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env, cmd.Dir, cmd.Stdout, cmd.Stderr = env, workDir, logFile, logFile
-	// Own process group, so signals reach the whole container; Pdeathsig kills it if the
-	// agent's process dies abruptly.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	newCmd := func(argv []string, unshare uintptr) *exec.Cmd {
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Env, cmd.Dir, cmd.Stdout, cmd.Stderr = env, workDir, logFile, logFile
+		// Own process group, so signals reach the whole container; Pdeathsig kills it if the
+		// agent's process dies abruptly.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL, Unshareflags: unshare}
+		return cmd
+	}
 	cr.logPaths = append(cr.logPaths, logPath)
 	cr.everStarted = true
 	now := time.Now()
-	if err := cmd.Start(); err != nil {
+	// The container's own /etc/resolv.conf, /etc/hosts and hostname (podnet.go), unless this
+	// machine refuses the namespaces: then it starts as a plain process and its log says so.
+	var cmd *exec.Cmd
+	if !w.a.c.noPodNamespaces.Load() {
+		var initArgv []string
+		if initArgv, err = w.containerInitArgs(argv); err == nil {
+			cmd = newCmd(initArgv, containerUnshare)
+			err = cmd.Start()
+		}
+		if err != nil {
+			if errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.EINVAL) {
+				w.a.c.noPodNamespaces.Store(true)
+			}
+			fmt.Fprintf(logFile, "localcluster: cannot give the container its own /etc/resolv.conf, /etc/hosts and hostname (%v); it sees the host's\n", err)
+			cmd = nil
+		}
+	} else {
+		fmt.Fprintf(logFile, "localcluster: this machine refused containers their own mount and UTS namespaces; the container sees the host's /etc/resolv.conf, /etc/hosts and hostname\n")
+	}
+	if cmd == nil {
+		cmd = newCmd(argv, 0)
+		err = cmd.Start()
+	}
+	if err != nil {
 		logFile.Close()
 		cr.term = &corev1.ContainerStateTerminated{ExitCode: 128, Reason: "StartError", Message: err.Error(), StartedAt: metav1.NewTime(now), FinishedAt: metav1.NewTime(now)}
 		cr.nextStart = now.Add(backoff(cr.restarts))
@@ -294,7 +321,7 @@ func (w *podWorker) buildExec(spec corev1.Container) ([]string, []string, string
 	}
 	workDir := filepath.Join(w.dir, "containers", spec.Name)
 	set("HOME", workDir)
-	set("HOSTNAME", p.Name)
+	set("HOSTNAME", podHostname(p))
 	set("LANG", "C.UTF-8")
 	port := strconv.Itoa(c.apiPort)
 	set("KUBERNETES_SERVICE_HOST", "127.0.0.1")

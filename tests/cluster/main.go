@@ -36,6 +36,8 @@ func main() {
 	}
 	cmd, args := os.Args[1], os.Args[2:]
 	switch cmd {
+	case containerInitCmd:
+		os.Exit(runContainerInit(args))
 	case "kubectl":
 		os.Args = append([]string{"kubectl"}, args...)
 		os.Exit(runKubectl())

@@ -918,3 +918,277 @@ def test_volume_file_modes_and_fs_group_as_the_kubelet_writes_them(
         "secret/b": ["0o640", gid],
         "config/c": ["0o644", gid],
     }
+
+
+# --- cluster DNS (dns.go, podnet.go) -------------------------------------------------------
+
+
+def dns_query(
+    server: str, name: str, *, qtype: int = 1, tcp: bool = False
+) -> tuple[int, list[str]]:
+    """One DNS query to ``server`` port 53: (rcode, the A records' addresses)."""
+    qid = int.from_bytes(os.urandom(2), "big")
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.rstrip(".").split("."))
+    query = qid.to_bytes(2, "big") + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+    query += labels + b"\x00" + qtype.to_bytes(2, "big") + b"\x00\x01"
+    if tcp:
+        with socket.create_connection((server, 53), timeout=10) as s:
+            s.sendall(len(query).to_bytes(2, "big") + query)
+            size = int.from_bytes(_recv_exactly(s, 2), "big")
+            resp = _recv_exactly(s, size)
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(10)
+            s.sendto(query, (server, 53))
+            resp = s.recv(65535)
+    assert resp[:2] == query[:2], "the answer carries the query's id"
+    rcode, ancount = resp[3] & 0x0F, int.from_bytes(resp[6:8], "big")
+    pos = len(query)  # the server echoes the one question as sent
+    addrs = []
+    for _ in range(ancount):
+        if resp[pos] & 0xC0 == 0xC0:  # a compression pointer
+            pos += 2
+        else:
+            while resp[pos]:
+                pos += resp[pos] + 1
+            pos += 1
+        rtype, rdlen = (
+            int.from_bytes(resp[pos : pos + 2], "big"),
+            int.from_bytes(resp[pos + 8 : pos + 10], "big"),
+        )
+        if rtype == 1:
+            addrs.append(socket.inet_ntoa(resp[pos + 10 : pos + 14]))
+        pos += 10 + rdlen
+    return rcode, sorted(addrs)
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, "the DNS server closed the TCP connection mid-answer"
+        data += chunk
+    return data
+
+
+NOERROR, NXDOMAIN = 0, 3
+
+
+def _dns_ip(local_cluster: LocalCluster) -> str:
+    info = json.loads((local_cluster.directory / "cluster.json").read_text())
+    return str(info["dnsIP"])
+
+
+def _headless_service(name: str, selector: dict[str, str], *, publish: bool) -> client.V1Service:
+    spec = {"clusterIP": "None", "selector": selector, "publishNotReadyAddresses": publish}
+    return build(client.V1Service.from_dict, {"metadata": {"name": name}, "spec": spec})
+
+
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+DNS_SERVER = """
+    import os, socket
+    srv = socket.create_server((os.environ["POD_IP"], 7070))
+    print("serving", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.sendall(socket.gethostname().encode())
+        conn.close()
+"""
+
+DNS_CLIENT = """
+    import json, os, socket, time
+    ns = os.environ["NS"]
+    deadline = time.monotonic() + 60
+    while True:  # the server pod may not have its IP yet
+        try:
+            short = socket.gethostbyname("h0.grp")
+            break
+        except socket.gaierror:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    fqdn = socket.gethostbyname(f"h0.grp.{ns}.svc.cluster.local")
+    while True:  # it may not listen yet
+        try:
+            with socket.create_connection(("h0.grp", 7070), timeout=10) as c:
+                served = c.recv(100).decode()
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    print(json.dumps({
+        "hostname": socket.gethostname(), "short": short, "fqdn": fqdn, "served": served,
+        "own": socket.gethostbyname(socket.gethostname()), "own_fqdn": socket.getfqdn(),
+        "service": sorted({a[4][0] for a in socket.getaddrinfo("grp", 0, socket.AF_INET)}),
+        "localhost": socket.gethostbyname("localhost"),
+        "resolv": open("/etc/resolv.conf").read(), "env_hostname": os.environ["HOSTNAME"],
+    }), flush=True)
+"""
+
+
+def test_cluster_dns_resolves_pods_by_hostname_and_subdomain(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    """Pods with hostname + subdomain under a headless Service reach each other by name, as
+    ranks of a gang rendezvous on rank 0's DNS name before anyone knows its IP."""
+    core.create_namespaced_service(
+        namespace, _headless_service("grp", {"dns": "grp"}, publish=True)
+    )
+    for name, host, script, env in [
+        ("server", "h0", DNS_SERVER, [POD_IP_ENV]),
+        ("client", "h1", DNS_CLIENT, [{"name": "NS", "value": namespace}]),
+    ]:
+        manifest = pod_manifest(
+            name,
+            [python_container("main", script) | {"env": env}],
+            hostname=host,
+            subdomain="grp",
+            restartPolicy="Never",
+        )
+        manifest["metadata"]["labels"]["dns"] = "grp"
+        core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    done = wait_for(
+        "the client pod to finish",
+        lambda: pod_phase(core, namespace, "client", "Succeeded", "Failed"),
+        120,
+    )
+    logs = local_cluster.kubectl("logs", "-n", namespace, "client").stdout
+    assert done["status"]["phase"] == "Succeeded", logs
+    seen = json.loads(logs.strip().splitlines()[-1])
+    server_ip = wait_for(
+        "the server's pod IP",
+        lambda: (read_pod(core, namespace, "server") or {}).get("status", {}).get("podIP"),
+    )
+    client_ip = done["status"]["podIP"]
+    assert seen["short"] == seen["fqdn"] == server_ip  # the search path completes h0.grp
+    assert seen["served"] == "h0"  # connected to the server pod, whose hostname is h0
+    assert seen["hostname"] == seen["env_hostname"] == "h1"
+    # The pod's own hostname resolves to its pod IP (/etc/hosts), as gloo looks it up.
+    assert seen["own"] == client_ip
+    assert seen["own_fqdn"] == f"h1.grp.{namespace}.svc.cluster.local"
+    assert seen["service"] == sorted([server_ip, client_ip])
+    assert seen["localhost"] == "127.0.0.1"
+    assert seen["resolv"].splitlines()[1:] == [
+        f"nameserver {_dns_ip(local_cluster)}",
+        f"search {namespace}.svc.cluster.local svc.cluster.local cluster.local",
+        "options ndots:5",
+    ]
+
+
+def test_cluster_dns_publishes_not_ready_pods_only_when_the_service_says_so(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str, tmp_path: Any
+) -> None:
+    dns = _dns_ip(local_cluster)
+    ready_file = tmp_path / "ready"
+    for svc, publish in [("pub", True), ("nopub", False)]:
+        core.create_namespaced_service(
+            namespace, _headless_service(svc, {"dns": svc}, publish=publish)
+        )
+        manifest = pod_manifest(
+            svc,
+            [
+                python_container("main", "import time; time.sleep(3600)")
+                | {
+                    "readinessProbe": {
+                        "exec": {"command": ["test", "-e", str(ready_file)]},
+                        "periodSeconds": 1,
+                    }
+                }
+            ],
+            hostname="h",
+            subdomain=svc,
+        )
+        manifest["metadata"]["labels"]["dns"] = svc
+        core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    ips = {
+        svc: wait_for(
+            f"{svc}'s pod IP",
+            lambda svc=svc: (read_pod(core, namespace, svc) or {}).get("status", {}).get("podIP"),
+        )
+        for svc in ("pub", "nopub")
+    }
+    # Not Ready yet: the publishing Service names its pod, the other does not.
+    pub_host = f"h.pub.{namespace}.svc.cluster.local"
+    assert wait_for("the not-ready pod's name", lambda: dns_query(dns, pub_host)[1]) == [ips["pub"]]
+    assert dns_query(dns, f"pub.{namespace}.svc.cluster.local") == (NOERROR, [ips["pub"]])
+    assert dns_query(dns, pub_host, tcp=True) == (NOERROR, [ips["pub"]])
+    assert dns_query(dns, pub_host, qtype=28) == (NOERROR, [])  # AAAA: the name exists, no IPv6
+    pod = read_pod(core, namespace, "nopub")
+    assert pod
+    assert not any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"]
+    )
+    assert dns_query(dns, f"h.nopub.{namespace}.svc.cluster.local") == (NXDOMAIN, [])
+    assert dns_query(dns, f"nopub.{namespace}.svc.cluster.local") == (NOERROR, [])
+    assert dns_query(dns, f"absent.{namespace}.svc.cluster.local") == (NXDOMAIN, [])
+    # Once Ready, it is named too.
+    ready_file.write_text("")
+    wait_for(
+        "the ready pod's name",
+        lambda: dns_query(dns, f"h.nopub.{namespace}.svc.cluster.local")[1] == [ips["nopub"]],
+    )
+    assert dns_query(dns, f"nopub.{namespace}.svc.cluster.local") == (NOERROR, [ips["nopub"]])
+
+
+def test_cluster_dns_forwards_other_names_and_honours_dns_policy(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    dns = _dns_ip(local_cluster)
+    # A name outside the cluster domain gets the host's nameserver's verdict.
+    with open("/etc/resolv.conf") as f:
+        host_ns = next(line.split()[1] for line in f if line.startswith("nameserver"))
+    try:
+        rcode, addrs = dns_query(host_ns, "example.com")
+    except OSError:
+        rcode, addrs = 2, []  # the host's nameserver does not answer: the cluster DNS SERVFAILs
+    forwarded = dns_query(dns, "example.com")
+    assert forwarded[0] == rcode
+    assert bool(forwarded[1]) == bool(addrs)
+
+    show = """
+        import json, socket
+        print(json.dumps({
+            "resolv": open("/etc/resolv.conf").read(), "hosts": open("/etc/hosts").read(),
+            "alias": socket.gethostbyname("db.example"),
+        }), flush=True)
+    """
+    aliases = [{"ip": "127.0.0.9", "hostnames": ["db.example", "db"]}]
+    dns_config = {
+        "nameservers": ["127.0.0.8"],
+        "searches": ["corp.example"],
+        "options": [{"name": "ndots", "value": "2"}],
+    }
+    specs = {
+        "default": {"dnsPolicy": "Default"},
+        "none": {"dnsPolicy": "None", "dnsConfig": dns_config},
+    }
+    for name, spec in specs.items():
+        manifest = pod_manifest(
+            name,
+            [python_container("main", show)],
+            restartPolicy="Never",
+            hostAliases=aliases,
+            **spec,
+        )
+        core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
+    seen = {}
+    for name in specs:
+        pod = wait_for(
+            f"{name} to finish",
+            lambda name=name: pod_phase(core, namespace, name, "Succeeded", "Failed"),
+        )
+        logs = local_cluster.kubectl("logs", "-n", namespace, name).stdout
+        assert pod["status"]["phase"] == "Succeeded", logs
+        seen[name] = json.loads(logs.strip().splitlines()[-1])
+        assert seen[name]["alias"] == "127.0.0.9"
+        assert "127.0.0.9\tdb.example\tdb" in seen[name]["hosts"].splitlines()
+        assert f"{pod['status']['podIP']}\t{name}" in seen[name]["hosts"].splitlines()
+    with open("/etc/resolv.conf") as f:
+        assert seen["default"]["resolv"] == f.read()
+    assert seen["none"]["resolv"].splitlines()[1:] == [
+        "nameserver 127.0.0.8",
+        "search corp.example",
+        "options ndots:2",
+    ]
