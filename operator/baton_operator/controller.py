@@ -116,6 +116,8 @@ class Reconciler:
         self._event = writer.event
         self._pools = interval.PoolLedger()
         """Every job's node time and interruptions per pool, for ``everySeconds: auto``."""
+        self._cost_written: dict[tuple[str, str], datetime] = {}
+        """When each job's pod-deletion-cost was last written (disruption.cost_patches)."""
         self._creator = Creator(
             kube=kube, config=config, token_for=token_for, writer=writer, pools=self._pools
         )
@@ -131,6 +133,7 @@ class Reconciler:
         if self._cache is not None:
             self._cache.forget_job(namespace, name)
         self._pools.forget((namespace, name))
+        self._cost_written.pop((namespace, name), None)
 
     # ----------------------------------------------------------------- entry point
 
@@ -633,6 +636,36 @@ class Reconciler:
         await self._learn_commit(t)
         await self._check_resume(t)
         await self._account(t)
+        await self._deletion_cost(t)
+
+    async def _deletion_cost(self, t: Tick) -> None:
+        """Keep the pods' pod-deletion-cost in step with the work since the last commit
+        (``spec.disruption.deletionCost``; off: take it off). Advice, like the hints: a
+        refused patch is logged and tried again at the next poll."""
+        spec, status = t.spec, t.status
+        pods = list(t.current.values())
+        cost = None
+        if spec.deletion_cost:
+            now_progress = economics.progress(t.memory.reports.values())
+            last = status.last_checkpoint
+            committed = max(last.step if last else 0, status.resumed_from_step or 0)
+            cost = disruption.work_at_risk(
+                step=now_progress.step, committed_step=committed,
+                step_seconds=now_progress.step_seconds, gpus=economics.gpus(pods),
+            )  # fmt: skip
+        key = (spec.namespace, spec.name)
+        patches = disruption.cost_patches(
+            pods, enabled=spec.deletion_cost, attempt=status.attempt, template=spec.template,
+            cost=cost, last_write=self._cost_written.get(key), now=t.now,
+        )  # fmt: skip
+        for name, patch in patches.items():
+            try:
+                await self._kube.patch_pod_annotations(spec.namespace, name, patch)
+            except KubeError as e:
+                _log.warning("pod-deletion-cost on pod %s not updated: %s", name, e)
+                return
+        if patches and spec.deletion_cost:
+            self._cost_written[key] = t.now
 
     async def _account(self, t: Tick) -> None:
         """Keep the interruption history's restart time and the job's goodput up to date

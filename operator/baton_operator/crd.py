@@ -289,6 +289,23 @@ def _spec_schema() -> dict[str, Any]:
                     "resumes from the newest committed step."
                 ),
             },
+            "disruption": {
+                "type": "object",
+                "description": "Hints to the cluster's node removers about this job's pods.",
+                "properties": {
+                    "deletionCost": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": (
+                            "Keep the annotation controller.kubernetes.io/pod-deletion-cost on "
+                            "the running pods equal to the work lost if one went now: "
+                            "GPU-seconds (steps without GPUs) since the last committed "
+                            "checkpoint (Karpenter ranks consolidation candidates by it). "
+                            "false removes it."
+                        ),
+                    },
+                },
+            },
         },
         "x-kubernetes-validations": [
             {

@@ -52,6 +52,9 @@ class JobSpec:
     suspend: bool = False
     """``spec.suspend``: stop the pods after a checkpoint and keep them stopped (Kueue sets it
     on a job it has not admitted, or has preempted)."""
+    deletion_cost: bool = False
+    """``spec.disruption.deletionCost``: keep the pods' ``pod-deletion-cost`` annotation in
+    step with the work lost since the last commit (disruption.py)."""
     queue_labels: Mapping[str, str] = field(default_factory=dict)
     """The job's Kueue labels that its pods carry too (``kueue.x-k8s.io/queue-name`` and
     ``kueue.x-k8s.io/priority-class``); empty when the job names no queue."""
@@ -91,6 +94,7 @@ class JobSpec:
             backoff_seconds=float(policy.get("backoffSeconds", 10)),
             max_backoff_seconds=float(policy.get("maxBackoffSeconds", 300)),
             suspend=bool(spec.get("suspend", False)),
+            deletion_cost=bool((spec.get("disruption") or {}).get("deletionCost", False)),
             queue_labels=_queue_labels(meta.get("labels") or {}),
         )
 

@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 from baton_operator import manifests
 from baton_operator.controller import ClusterView, JobMemory, Reconciler
+from baton_operator.disruption import DELETION_COST
 from baton_operator.errors import KubeConflictError, KubeError, SidecarUnreachableError
 from baton_operator.metrics import Metrics
 from baton_operator.reports import SidecarStatus
@@ -890,6 +891,31 @@ def test_auto_interval_reads_the_node_pools_rate_once_the_job_ran_there() -> Non
     assert third["mtbiSeconds"] < second["mtbiSeconds"] < first["mtbiSeconds"]
     assert third["seconds"] <= second["seconds"] < first["seconds"]
     assert _env_of(h, 2, 0)["BATON_EVERY_SECONDS"] == str(third["seconds"])
+
+
+def test_the_deletion_cost_follows_the_work_since_the_commit_and_goes_when_switched_off() -> None:
+    h = Harness()
+    h.kube.job["spec"]["disruption"] = {"deletionCost": True}
+    h.running()
+    at = datetime.now(tz=UTC)
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic"}
+    _training(h, "10.0.0.", step=30, at=at)
+    h.tick()
+    # No GPUs: the steps since the commit, on every running rank.
+    assert [a.get(DELETION_COST) for a in _annotations(h, 0)] == ["10"] * REPLICAS
+    written = len(h.kube.annotation_patches)
+    _training(h, "10.0.0.", step=31, at=at)
+    h.tick()
+    assert len(h.kube.annotation_patches) == written, "a change of a tenth waits for the period"
+    # A periodic commit of step 31: the work at risk falls to 0, written at once.
+    _training(h, "10.0.0.", step=31, at=at, last_committed_step=31)
+    h.tick()
+    assert h.kube.status["lastCheckpoint"]["step"] == 31
+    assert [a.get(DELETION_COST) for a in _annotations(h, 0)] == ["0"] * REPLICAS
+    h.kube.job["spec"]["disruption"] = {"deletionCost": False}
+    h.memory.next_progress_poll = None
+    h.tick()
+    assert [DELETION_COST in a for a in _annotations(h, 0)] == [False] * REPLICAS
 
 
 # ----------------------------------------------------------------- spec.suspend (Kueue)
