@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import kubernetes.client
@@ -100,6 +101,10 @@ class HintRecorder:
         if later:
             found.append(f"pods of later attempts carried hints: {later}")
         return found
+
+
+def _restarted_after(attempt: int, status: dict[str, Any]) -> bool:
+    return int(status.get("attempt", 0)) > attempt and status.get("phase") in ("Pending", "Running")
 
 
 def _restarted(status: dict[str, Any]) -> bool:
@@ -242,4 +247,108 @@ def test_pod_disruption_target_checkpoints_and_moves_the_job(baton: Baton) -> No
         baton, job, node, watcher, "pod disruption: EvictionByEvictionAPI",
         source="disruption-target", before=before,
     )  # fmt: skip
+    baton.delete(job)
+
+
+def _evict(baton: Baton, job: str, rank: int) -> tuple[str, datetime]:
+    """Evict the current attempt's ``rank`` through the Eviction API (the pod's
+    DisruptionTarget condition is the notice): its node, and a time just before."""
+    status = baton.status(job)
+    pod = next(
+        p["metadata"]["name"]
+        for p in baton.pods(job)
+        if p["metadata"]["labels"]["baton.dev/rank"] == str(rank)
+        and p["metadata"]["labels"]["baton.dev/attempt"] == str(status.get("attempt", 0))
+    )
+    node = baton.node_of(job, rank)
+    core = kubernetes.client.CoreV1Api(baton.cluster.api)
+    before = datetime.now(tz=UTC)
+    core.create_namespaced_pod_eviction(
+        pod,
+        NAMESPACE,
+        kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod)),
+    )
+    return node, before
+
+
+def _label_pool(baton: Baton, pool: str | None) -> None:
+    """Put every live node in node pool ``pool`` (``baton.dev/node-pool``; None: take it off)."""
+    core = kubernetes.client.CoreV1Api(baton.cluster.api)
+    for node in baton.cluster.nodes():
+        core.patch_node(node, {"metadata": {"labels": {"baton.dev/node-pool": pool}}})
+
+
+def test_two_preemptions_are_recorded_and_shorten_the_auto_interval(baton: Baton) -> None:
+    """A job with ``everySeconds: auto`` on one node pool is preempted twice (two pod
+    evictions, the cheapest notice: no node dies). Its history holds exactly those two, as
+    the test saw them; goodput agrees; the interval chosen after them, from the pool's rate,
+    is shorter than the first attempt's (from the prior), and the status shows its inputs.
+    (A quiet pool giving a longer interval needs hours of node time: the unit tests.)"""
+    # Each eviction keeps its node out of later attempts: 2 + 2 nodes at least.
+    while len(baton.cluster.nodes()) < 4:
+        baton.cluster.add_node()
+    pool = unique("pool")
+    _label_pool(baton, pool)
+    try:
+        job = unique("tj-twice")
+        manifest = baton.job_manifest(job, steps=STEPS, every_steps=5, sleep=0.3)
+        manifest["spec"]["checkpoint"]["everySeconds"] = "auto"
+        assert baton.apply(manifest).returncode == 0
+        first = baton.wait_phase(job, "Running", timeout=120)["checkpointInterval"]
+        seen: list[tuple[str, datetime, datetime, dict[str, Any]]] = []
+        for attempt, at_step in ((0, 8), (1, 20)):
+            baton.wait_steps(job, at_step)
+            node, before = _evict(baton, job, 1)
+            at_restart = baton.wait_for(
+                job, partial(_restarted_after, attempt), timeout=120,
+                what=f"attempt {attempt + 1}",
+            )  # fmt: skip
+            seen.append((node, before, datetime.now(tz=UTC) + timedelta(seconds=1), at_restart))
+        final = baton.wait_phase(job, "Succeeded", timeout=240)
+        done = datetime.now(tz=UTC) + timedelta(seconds=1)
+        diag = baton.diagnostics(job)
+    finally:
+        _label_pool(baton, None)
+    steps = baton.loss_steps(job)
+    assert steps == list(range(1, STEPS + 1)), f"steps lost or recomputed: {steps}{diag}"
+    assert (final["preemptions"], final["failures"], final["stepsLost"]) == (2, 0, 0), diag
+    history = final["interruptions"]
+    assert len(history) == 2, history
+    for k, (entry, observed) in enumerate(zip(history, seen, strict=True)):
+        node, before, seen_restart, at_restart = observed
+        assert (entry["attempt"], entry["source"]) == (k, "disruption-target"), entry
+        assert node in entry["nodes"], (node, entry)
+        earliest = before.replace(microsecond=0)  # status times are whole seconds
+        assert earliest <= _time(entry["noticeAt"]) <= _time(entry["at"]) <= seen_restart, entry
+        assert entry["leadSeconds"] > 0, entry
+        assert 0 <= entry["noticeToDurableSeconds"] <= (seen_restart - earliest).total_seconds()
+        # The notice save's step is the last step the ranks reported: nothing lost.
+        assert entry["resumeStep"] == at_restart["resumedFromStep"], (entry, at_restart)
+        assert entry["resumeStep"] == at_restart["lastCheckpoint"]["step"], entry
+        assert 1 <= entry["lastGoodStep"] <= entry["resumeStep"], entry
+        assert (entry["stepsLost"], entry["gpus"], entry["gpuSecondsLost"]) == (0, 0, 0.0), entry
+        assert entry["stepSeconds"] > 0, entry
+        # From the last good step (before the eviction) to the next attempt's first step.
+        end = seen[k + 1][1] if k + 1 < len(seen) else done
+        limit = (end - _time(entry["lastGoodStepAt"])).total_seconds() + 1
+        assert 0 < entry["restartSeconds"] <= limit, entry
+    assert history[0]["resumeStep"] < history[1]["resumeStep"], history
+    goodput = final["goodput"]
+    assert 0 < goodput["ratio"] <= 1, goodput
+    assert 1 <= goodput["step"] <= STEPS, goodput
+    assert goodput["productiveSeconds"] <= goodput["wallSeconds"] + 1, goodput
+    assert abs(goodput["productiveSeconds"] - goodput["step"] * goodput["stepSeconds"]) <= 0.1
+    # The interval: the prior for attempt 0; the pool's two interruptions for attempt 2.
+    last = final["checkpointInterval"]
+    assert (first["attempt"], first["source"], first["saveMeasured"]) == (0, "prior", False)
+    labelled = f"baton.dev/node-pool={pool}"
+    assert (last["attempt"], last["source"], last["pool"]) == (2, "pool", labelled), last
+    assert (last["interruptions"], last["nodes"], last["saveMeasured"]) == (2, 2, True), last
+    assert last["nodeSeconds"] > 0, last
+    assert last["mtbiSeconds"] < first["mtbiSeconds"], (first, last)
+    assert last["seconds"] < first["seconds"], (first, last)
+    exposure = final["exposure"]
+    assert exposure["interruptions"] == 2, exposure
+    assert exposure["pools"][0]["pool"] == labelled, exposure
+    assert "current" not in exposure, "the clock stopped when the job succeeded"
     baton.delete(job)
