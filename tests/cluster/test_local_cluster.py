@@ -1143,7 +1143,12 @@ def test_cluster_dns_forwards_other_names_and_honours_dns_policy(
         rcode, addrs = dns_query(host_ns, "example.com")
     except OSError:
         rcode, addrs = 2, []  # the host's nameserver does not answer: the cluster DNS SERVFAILs
-    forwarded = dns_query(dns, "example.com")
+    # (A slow upstream answer makes the cluster DNS say SERVFAIL after 2 s; ask again then, as
+    # a resolver would.)
+    for _ in range(3):
+        forwarded = dns_query(dns, "example.com")
+        if forwarded[0] != 2 or rcode == 2:
+            break
     assert forwarded[0] == rcode
     assert bool(forwarded[1]) == bool(addrs)
 
