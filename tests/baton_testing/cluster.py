@@ -142,12 +142,17 @@ def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
 
-def _is_zombie(pid: int) -> bool:
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, D, Z...), or "gone"."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+        return "gone"
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def _is_zombie(pid: int) -> bool:
+    return _proc_state(pid) in ("Z", "gone")
 
 
 class LocalCluster:
@@ -396,10 +401,15 @@ class LocalCluster:
             if not leftovers:
                 return
             time.sleep(0.2)
+        # Described before the kill: a killed process's cmdline and environ read back empty.
+        described = {
+            pid: f"{_read_cmdline(pid)[:160]} (state {_proc_state(pid)}, pod dir "
+            f"{_read_environ(pid).get('LOCALCLUSTER_POD_DIR', '-')})"
+            for pid in leftovers
+        }
         for pid in leftovers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        described = {pid: _read_cmdline(pid)[:120] for pid in leftovers}
         raise LocalClusterError(
             f"processes left behind after stop (now killed): {json.dumps(described)}; "
             f"see {self.log_path}"
