@@ -130,18 +130,45 @@ def _header(
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
+INLINE_BYTES: Final = 256 * 1024
+"""Views up to this size are hashed (and, from host memory, gathered for one write) in the
+writing thread: for a small view a pool task's hand-off (a Future, a lock, a queue) and a
+``write`` call of its own cost more than the work, and a state of many small tensors (a small
+model's memory-tier snapshot every step) paid that per tensor on the training process's
+cores and GIL."""
+
+
+class _Ready:
+    """The result of work done inline (the part of ``Future`` that callers here use)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: int) -> None:
+        self._value = value
+
+    def result(self) -> int:
+        return self._value
+
+
+_Result = Future[int] | _Ready
+
+
 class _Hasher:
     """BLAKE3 of the whole stream and a crc32 per chunk, each in its own background thread.
 
     Two threads, not one: both release the GIL, so on a machine with spare cores the digest
     and the crc32 run beside each other and beside the writer, and neither becomes the
-    bottleneck of a save that the medium could absorb faster.
+    bottleneck of a save that the medium could absorb faster. Views of at most
+    :data:`INLINE_BYTES` are hashed in the caller's thread instead (after the digest thread
+    finished the views before them: the digest is of the stream, in order); the pools start
+    only when a larger view comes.
     """
 
     def __init__(self) -> None:
         self._digest = blake3()
-        self._digest_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-blake3")
-        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-crc32")
+        self._digest_pool: ThreadPoolExecutor | None = None
+        self._crc_pool: ThreadPoolExecutor | None = None
+        self._last_digest: Future[int] | None = None
         self._digest_busy = 0.0
         self._crc_busy = 0.0
 
@@ -162,20 +189,33 @@ class _Hasher:
         self._crc_busy += time.perf_counter() - t0
         return crc
 
-    def submit(self, view: memoryview, *, want_crc: bool = True) -> tuple[Future[int], Future[int]]:
-        """Queue ``view`` (in stream order); returns (digest future, crc future)."""
+    def submit(self, view: memoryview, *, want_crc: bool = True) -> tuple[_Result, _Result]:
+        """Hash ``view`` (in stream order); returns (digest result, crc result)."""
+        if len(view) <= INLINE_BYTES:
+            if self._last_digest is not None:
+                self._last_digest.result()  # the digest thread's views come first
+                self._last_digest = None
+            self._digest_work(view)
+            done = _Ready(0)
+            return done, (_Ready(self._crc_work(view)) if want_crc else done)
+        if self._digest_pool is None or self._crc_pool is None:
+            self._digest_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-blake3")
+            self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-crc32")
         dig = self._digest_pool.submit(self._digest_work, view)
+        self._last_digest = dig
         crc = self._crc_pool.submit(self._crc_work, view) if want_crc else dig
         return dig, crc
 
     def hexdigest(self) -> str:
-        self._digest_pool.shutdown(wait=True)
-        self._crc_pool.shutdown(wait=True)
+        for pool in (self._digest_pool, self._crc_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         return self._digest.hexdigest()
 
     def close(self) -> None:
-        self._digest_pool.shutdown(wait=True, cancel_futures=True)
-        self._crc_pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._digest_pool, self._crc_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _PinnedRing:
@@ -184,7 +224,7 @@ class _PinnedRing:
     def __init__(self, size: int) -> None:
         pin = torch.cuda.is_available()
         self._bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._busy: list[tuple[Future[int], Future[int]] | None] = [None, None]
+        self._busy: list[tuple[_Result, _Result] | None] = [None, None]
         self._i = 0
 
     def copy(self, src_u8: torch.Tensor) -> tuple[memoryview, int]:
@@ -199,7 +239,7 @@ class _PinnedRing:
         buf.copy_(src_u8)
         return buf.numpy().data.cast("B"), i
 
-    def guard(self, i: int, futs: tuple[Future[int], Future[int]]) -> None:
+    def guard(self, i: int, futs: tuple[_Result, _Result]) -> None:
         self._busy[i] = futs
 
 
@@ -236,10 +276,14 @@ def write_shard(
     ring: _PinnedRing | None = None
     if any(p.tensor.device.type != "cpu" for p in pieces):
         ring = _PinnedRing(block_size)
-    crc_futs: dict[str, list[Future[int]]] = {}
+    crc_futs: dict[str, list[_Result]] = {}
     try:
         hasher.submit(memoryview(header), want_crc=False)
-        writer.write(header)
+        # Small views of host memory are gathered and written together (one write call per
+        # INLINE_BYTES or so, not one per tensor); a pinned-ring view is written at once
+        # (its buffer is reused as soon as it is hashed).
+        gathered: list[memoryview | bytes] = [header]
+        gathered_bytes = len(header)
         for p in pieces:
             futs = crc_futs.setdefault(p.name, [])
             for view, slot in _chunks(p, block_size, ring):
@@ -247,7 +291,17 @@ def write_shard(
                 futs.append(both[1])
                 if ring is not None and slot is not None:
                     ring.guard(slot, both)
-                writer.write(view)
+                small = slot is None and len(view) <= INLINE_BYTES
+                if small:
+                    gathered.append(view)
+                    gathered_bytes += len(view)
+                if gathered and (not small or gathered_bytes >= INLINE_BYTES):
+                    writer.write(b"".join(gathered))  # in stream order, before this view
+                    gathered, gathered_bytes = [], 0
+                if not small:
+                    writer.write(view)
+        if gathered:
+            writer.write(b"".join(gathered))
         digest = hasher.hexdigest()
     finally:
         hasher.close()
