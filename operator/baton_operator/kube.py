@@ -21,6 +21,7 @@ from typing import Any, Final, ParamSpec, TypeVar, cast
 from kubernetes import client as k8s_client
 from kubernetes import config as _k8s_config
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from . import crd
 from .errors import KubeError
@@ -282,6 +283,12 @@ class Kube:
             if e.status == 404:
                 return False
             raise _translate(e, f"discovering {group_version}") from e
+        except (OSError, Urllib3Error) as e:
+            # No answer (a refused connection, a timeout): an outage, retried by the caller.
+            raise KubeError.from_answer(
+                f"discovering {group_version}: no answer from the API server ({type(e).__name__})",
+                status=0,
+            ) from e
         resources = data.get("resources") or []
         return any(isinstance(r, dict) and r.get("name") == plural for r in resources)
 

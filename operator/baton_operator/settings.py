@@ -102,7 +102,7 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     """The cluster's DNS domain (the kubelet's ``clusterDomain``). With gang scheduling the
     ranks meet at rank 0's DNS name ``<hostname>.<job>.<namespace>.svc.<cluster_domain>``."""
-    gang_scheduling: bool = False
+    gang_scheduling: bool = True
     """Create a ``scheduling.k8s.io/v1beta1`` PodGroup per attempt, and every rank at once,
     where the API server serves PodGroups (docs/operator.md, "Gang scheduling"). False keeps
     the path of clusters without the API (rank 0 first, its pod IP) everywhere."""

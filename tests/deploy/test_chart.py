@@ -149,7 +149,7 @@ def test_defaults_render_the_operator(helm: str) -> None:
         f"--operator-namespace={NAMESPACE}",
         "--all-namespaces",
         "--cluster-domain=cluster.local",
-        "--no-gang-scheduling",
+        "--gang-scheduling",
     ]
     # Each replica serves its probes on its own pod IP: on 0.0.0.0, replicas that share a
     # network namespace (the local cluster's, a hostNetwork install) would take one port.
