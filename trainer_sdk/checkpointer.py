@@ -56,6 +56,7 @@ from trainer_sdk.errors import (
     UnreadableCheckpointError,
 )
 from trainer_sdk.layout import step_dir
+from trainer_sdk.planning import PlanCache
 from trainer_sdk.signals import (
     Agreement,
     ControlPoller,
@@ -189,6 +190,7 @@ class Checkpointer:
             else None
         )
         self._restored = RestoreInfo(step=0, tier=None, uri=None)
+        self._plans = PlanCache()  # the same tensors at every save: planned once
 
         self._sigterm = SigtermListener() if handle_sigterm else None
         if self._sigterm is not None:
@@ -520,7 +522,7 @@ class Checkpointer:
 
     def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
         flat = api.flatten(self._objects.for_save(step))
-        return flat, api.plan_save(flat, self.rank, self.world_size)
+        return flat, self._plans.plan(flat, self.rank, self.world_size)
 
     def _save(
         self,

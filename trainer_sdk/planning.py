@@ -34,6 +34,7 @@ __all__ = [
     "SPLIT_BYTES",
     "FlatEntry",
     "FlatState",
+    "PlanCache",
     "PlannedPiece",
     "SavePlan",
     "intersect",
@@ -118,6 +119,32 @@ class SavePlan:
     @property
     def nbytes(self) -> int:
         return sum(p.end - p.start for p in self.pieces)
+
+
+class PlanCache:
+    """:func:`plan_save` of the last state with the same layout (keys in order, kinds, dtypes,
+    shapes, offsets, writers), for a loop that saves the same tensors at every step (the
+    memory tier snapshots every ``fast_every_steps``): the plan depends on that layout only,
+    never on values. Safe to share between threads (one reference swapped whole)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, ...], SavePlan] | None = None
+
+    def plan(self, flat: FlatState, rank: int, world_size: int) -> SavePlan:
+        layout = (
+            rank,
+            world_size,
+            tuple(
+                (k, e.kind, e.dtype, e.global_shape, e.offsets, e.local_shape, e.writes)
+                for k, e in flat.entries.items()
+            ),
+        )
+        last = self._last
+        if last is not None and last[0] == layout:
+            return last[1]
+        plan = plan_save(flat, rank, world_size)
+        self._last = (layout, plan)
+        return plan
 
 
 def _row_bytes(shape: tuple[int, ...], dtype: str) -> int:
