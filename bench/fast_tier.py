@@ -13,6 +13,13 @@ Prints one table, all figures measured side by side in this run:
    against a plain ``copy_`` of the same bytes into preallocated buffers (the floor for any
    staging), as a ratio. Median of ``--repeat``.
 
+3. The two parts of a snapshot of tinylm's state (its model and AdamW, one process, no
+   training in between): ``step()`` blocking (flattening, planning, the copy) and the
+   background write (files, hashes, manifest), as the time from ``step()``'s return to
+   ``wait()``'s. Median of ``--steps`` snapshots after ``--skip``. Apart from the contention
+   for cores and the GIL, these bound the slowdown of row 1: the blocking part is added to
+   every snapshot step, and the write shares the process with the training step.
+
 Usage: ``python bench/fast_tier.py [--steps 120] [--runs 2] [--mib 256] [--repeat 7]``.
 Not a test: timings are never assertions.
 """
@@ -155,6 +162,44 @@ def bench_blocking(root: Path, mib: int, repeat: int) -> dict[str, float]:
     return {"copy_s": statistics.median(copies), "block_s": statistics.median(blocks)}
 
 
+def bench_parts(root: Path, steps: int, skip: int) -> dict[str, float]:
+    import importlib.util
+
+    from trainer_sdk import Checkpointer
+
+    spec = importlib.util.spec_from_file_location("tinylm_train", TINYLM)
+    assert spec is not None
+    assert spec.loader is not None
+    tinylm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tinylm  # its dataclasses look their module up there
+    spec.loader.exec_module(tinylm)
+    vocab = tinylm.CharWindows(tinylm.generate_corpus(4000, seed=0), context=64).vocab_size
+    model = tinylm.TinyLM(tinylm.ModelConfig(vocab_size=vocab, context=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, vocab, (8, 64))).sum().backward()
+    optimizer.step()  # the AdamW moments exist, as in training
+    fast = _shm_dir()
+    blocks, writes = [], []
+    try:
+        ck = Checkpointer(
+            str(root / "parts-ck"), model=model, optimizer=optimizer, fast_every_steps=1,
+            fast_dir=fast, handle_sigterm=False,
+        )  # fmt: skip
+        ck.restore()
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            ck.step(step)
+            t1 = time.perf_counter()
+            ck.wait()
+            if step > skip:
+                blocks.append(t1 - t0)
+                writes.append(time.perf_counter() - t1)
+        ck.close()
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
+    return {"parts_block_s": statistics.median(blocks), "parts_write_s": statistics.median(writes)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=120, help="tinylm steps per run")
@@ -170,6 +215,8 @@ def main() -> None:
         r.update(bench_slowdown(root, args.steps, args.runs, args.skip, args.every))
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         r.update(bench_blocking(root, args.mib, args.repeat))
+        torch.set_num_threads(1)  # as tinylm's ranks run
+        r.update(bench_parts(root, args.steps, args.skip))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = [
@@ -189,6 +236,16 @@ def main() -> None:
             "step() blocking at a snapshot",
             f"{r['block_s'] * 1e3:.1f} ms",
             f"{r['block_s'] / r['copy_s']:.2f}x copy",
+        ),
+        (
+            "tinylm state, 1 process: step() blocking at a snapshot",
+            f"{r['parts_block_s'] * 1e3:.1f} ms",
+            f"{r['parts_block_s'] / r['step_off_s'] * 100:.0f} % of a step without the tier",
+        ),
+        (
+            "tinylm state, 1 process: snapshot write (background)",
+            f"{r['parts_write_s'] * 1e3:.1f} ms",
+            f"{r['parts_write_s'] / r['step_off_s'] * 100:.0f} % of a step without the tier",
         ),
     ]
     width = max(len(a) for a, _, _ in rows)
