@@ -109,6 +109,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         "where the API server serves PodGroups (--no-gang-scheduling: rank 0 first, its pod "
         "IP, everywhere)",
     )  # fmt: skip
+    p.add_argument(
+        "--interval-prior-seconds", type=float, default=d.interval_prior_seconds,
+        help="everySeconds: auto: node seconds per interruption assumed before any is observed, "
+        f"one pseudo-interval (default {d.interval_prior_seconds:.0f})",
+    )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -147,6 +152,7 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         graces=Graces(**graces),
         cluster_domain=args.cluster_domain,
         gang_scheduling=args.gang_scheduling,
+        interval_prior_seconds=args.interval_prior_seconds,
     )
 
 

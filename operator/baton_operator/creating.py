@@ -104,7 +104,9 @@ class Creator:
         chosen = interval.recorded(t.job, status.attempt)
         if chosen is not None:
             return chosen
-        choice = interval.for_job(t.job, at=t.now, pools=self._pools)
+        choice = interval.for_job(
+            t.job, at=t.now, pools=self._pools, prior_seconds=self._config.interval_prior_seconds
+        )
         await self._writer.patch(
             t, t.patch().set({"checkpointInterval": choice.to_status(status.attempt)})
         )

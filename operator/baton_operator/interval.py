@@ -9,9 +9,10 @@ is the wall time of an attempt's nodes (Running to its end, times its nodes). Sp
 reclaimed per node pool, so when the job's pool is known (a pool label on its nodes, or in its
 ``nodeSelector``: ``nodes.POOL_LABELS``) the rate is that pool's, over every Baton job the
 operator has seen there; otherwise the job's own. A prior of :data:`PRIOR_MTBI_SECONDS` of node
-time per interruption, counted as one observed interval, gives a new job a sane default and
-fades as node time accumulates. The job's mean time between interruptions is the per-node one
-divided by its nodes: a job on 8 nodes is interrupted 8 times as often as one on 1.
+time per interruption (the operator's ``--interval-prior-seconds``), counted as one observed
+interval, gives a new job a sane default and fades as node time accumulates. The job's mean
+time between interruptions is the per-node one divided by its nodes: a job on 8 nodes is
+interrupted 8 times as often as one on 1.
 
 The state the rate needs is in each job's ``status.exposure`` (totals over the job's whole
 life, not the bounded history, which would undercount a long job): node seconds and
@@ -73,7 +74,8 @@ PRIOR_MTBI_SECONDS: Final = 6 * 3600
 """The mean node time between interruptions of one node assumed before any is observed, and
 counted as one pseudo-interval in the estimate: spot GPU capacity is commonly reclaimed every
 few hours to a day. It keeps a young job from reading "no interruption in 5 minutes" as
-"interrupted every 5 minutes", and fades as the observed node time grows."""
+"interrupted every 5 minutes", and fades as the observed node time grows. The default of the
+operator's ``interval_prior_seconds`` setting (``--interval-prior-seconds``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +123,8 @@ class IntervalChoice:
     """The job's nodes (its replicas: one pod per node)."""
     bounded: str | None
     """``"min"`` or ``"max"`` when a bound overrode the formula, else None."""
+    prior_seconds: float = PRIOR_MTBI_SECONDS
+    """The prior used: node seconds per interruption, counted as one pseudo-interval."""
 
     def to_status(self, attempt: int) -> dict[str, Any]:
         out = {
@@ -134,7 +138,7 @@ class IntervalChoice:
             "interruptions": self.interruptions,
             "nodeSeconds": round(self.node_seconds, 1),
             "nodes": self.nodes,
-            "priorSeconds": PRIOR_MTBI_SECONDS,
+            "priorSeconds": round(self.prior_seconds),
             "bounded": self.bounded,
         }
         return {k: v for k, v in out.items() if v is not None}
@@ -156,10 +160,11 @@ def choose(
     nodes: int = 1,
     source: str = "job",
     pool: str | None = None,
+    prior_seconds: float = PRIOR_MTBI_SECONDS,
 ) -> IntervalChoice:
     """The interval for the next attempt, within [:data:`MIN_SECONDS`, :data:`MAX_SECONDS`].
 
-    Per-node MTBI = (node seconds seen + :data:`PRIOR_MTBI_SECONDS`) / (interruptions + 1);
+    Per-node MTBI = (node seconds seen + ``prior_seconds``) / (interruptions + 1);
     the job's MTBI is that over its ``nodes``. More interruptions in the same time give a
     shorter interval, a long quiet time a longer one.
     """
@@ -167,9 +172,11 @@ def choose(
         raise ValueError(f"{seen}: interruptions and node seconds must be >= 0")
     if nodes < 1:
         raise ValueError(f"nodes={nodes} must be >= 1")
+    if prior_seconds <= 0:
+        raise ValueError(f"prior_seconds={prior_seconds} must be > 0")
     measured = save_seconds is not None and save_seconds > 0
     save = float(save_seconds) if measured and save_seconds is not None else DEFAULT_SAVE_SECONDS
-    per_node = (seen.node_seconds + PRIOR_MTBI_SECONDS) / (seen.interruptions + 1)
+    per_node = (seen.node_seconds + prior_seconds) / (seen.interruptions + 1)
     mtbi = per_node / nodes
     raw = young_daly(save, mtbi)
     bounded = "min" if raw < MIN_SECONDS else "max" if raw > MAX_SECONDS else None
@@ -178,7 +185,7 @@ def choose(
         seconds=seconds, save_seconds=save, save_measured=measured, mtbi_seconds=mtbi,
         source="prior" if seen.empty else source, pool=pool,
         interruptions=seen.interruptions, node_seconds=seen.node_seconds, nodes=nodes,
-        bounded=bounded,
+        bounded=bounded, prior_seconds=prior_seconds,
     )  # fmt: skip
 
 
@@ -335,7 +342,11 @@ class PoolLedger:
 
 
 def for_job(
-    job: Mapping[str, Any], *, at: datetime, pools: PoolLedger | None = None
+    job: Mapping[str, Any],
+    *,
+    at: datetime,
+    pools: PoolLedger | None = None,
+    prior_seconds: float = PRIOR_MTBI_SECONDS,
 ) -> IntervalChoice:
     """:func:`choose` for a TrainingJob as the API returns it, at ``at`` (the start of the
     attempt the interval is for): from its pool's rate when its pool is known and anything
@@ -348,8 +359,14 @@ def for_job(
     if pool is not None and pools is not None:
         seen = pools.totals(pool, now=at)
         if not seen.empty:
-            return choose(save_seconds=save, seen=seen, nodes=nodes, source="pool", pool=pool)
-    return choose(save_seconds=save, seen=job_exposure(job), nodes=nodes, source="job", pool=pool)
+            return choose(
+                save_seconds=save, seen=seen, nodes=nodes, source="pool", pool=pool,
+                prior_seconds=prior_seconds,
+            )  # fmt: skip
+    return choose(
+        save_seconds=save, seen=job_exposure(job), nodes=nodes, source="job", pool=pool,
+        prior_seconds=prior_seconds,
+    )  # fmt: skip
 
 
 def recorded(job: Mapping[str, Any], attempt: int) -> int | None:

@@ -107,6 +107,13 @@ class OperatorConfig:
     where the API server serves PodGroups (docs/operator.md, "Gang scheduling"). False keeps
     the path of clusters without the API (rank 0 first, its pod IP) everywhere."""
 
+    interval_prior_seconds: float = 6 * 3600
+    """``everySeconds: auto``: the node time per interruption assumed before any is observed,
+    counted as one observed interval (interval.py). Six hours by default (spot GPU capacity
+    is commonly reclaimed every few hours to a day); smaller makes observed node time
+    outweigh it sooner. The same as ``interval.PRIOR_MTBI_SECONDS`` (a unit test holds them
+    equal; interval.py cannot be imported here without a cycle)."""
+
     def __post_init__(self) -> None:
         if self.watch_client_timeout_seconds <= self.watch_server_timeout_seconds:
             raise ValueError(
@@ -135,3 +142,8 @@ class OperatorConfig:
             )
         if not self.sidecar_command:
             raise ValueError("sidecar_command must name the sidecar executable")
+        if self.interval_prior_seconds <= 0:
+            raise ValueError(
+                "interval_prior_seconds must be > 0: it is the node time assumed per "
+                "interruption before any is observed (--interval-prior-seconds)"
+            )

@@ -294,3 +294,27 @@ def test_auto_gives_the_ranks_the_chosen_interval_and_keeps_every_steps() -> Non
     pod = manifests.pod_manifest(fixed, OperatorConfig(), **kw)
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["BATON_EVERY_SECONDS"] == "90"
+
+
+def test_the_prior_is_an_operator_setting_that_reaches_the_choice() -> None:
+    """``--interval-prior-seconds`` (default: :data:`PRIOR_MTBI_SECONDS`, 6 h) is the node
+    time assumed per interruption: a small one lets a short quiet time lengthen the interval."""
+    from baton_operator.__main__ import _config, _parser
+
+    assert OperatorConfig().interval_prior_seconds == PRIOR_MTBI_SECONDS == 6 * HOUR
+    args = _parser().parse_args(["run", "--interval-prior-seconds", "30"])
+    assert _config(args).interval_prior_seconds == 30.0
+    with pytest.raises(ValueError, match="--interval-prior-seconds"):
+        OperatorConfig(interval_prior_seconds=0)
+    job = {"spec": {"replicas": 2}, "status": {"lastCheckpoint": {"seconds": 600.0}}}
+    prior = interval.for_job(job, at=datetime.now(tz=UTC), prior_seconds=30)
+    assert (prior.source, prior.mtbi_seconds) == ("prior", 15.0)
+    assert prior.to_status(0)["priorSeconds"] == 30
+    # 60 s of quiet node time (2 nodes x 30 s) outweigh a 30 s prior: a longer interval.
+    quiet = choose(save_seconds=600.0, seen=Exposure(node_seconds=60), nodes=2, prior_seconds=30)
+    assert quiet.mtbi_seconds == 45.0
+    assert quiet.seconds > prior.seconds
+    assert quiet.bounded is None
+    assert prior.bounded is None
+    with pytest.raises(ValueError, match="prior_seconds"):
+        choose(save_seconds=None, seen=Exposure(), prior_seconds=0)
