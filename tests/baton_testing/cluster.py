@@ -395,7 +395,10 @@ class LocalCluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         leftovers: list[int] = []
-        deadline = time.monotonic() + 5
+        # Every container had SIGKILL sent by now (the agent's stop, or its parent-death
+        # signal); on a loaded machine a large process can take seconds to be reaped, so only
+        # one that outlives a generous wait is left behind.
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             leftovers = self.processes()
             if not leftovers:
