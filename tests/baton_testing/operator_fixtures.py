@@ -14,7 +14,8 @@ cluster. Started per test, an operator costs its start (about 1 s) and its stop 
 since the operator stopped handing kopf a ``stop_flag``, which kopf then waited 5 s for; it was
 about 6 s of every test's teardown). What each test relies on is kept: a running
 operator when it starts (started again if the test before killed it, or it exited), a working
-directory of its own, uniquely named jobs, and metrics read per job.
+directory of its own, uniquely named jobs, and metrics read per job. Such a module may set
+``OPERATOR_ARGS`` (a list of flags) to add to the shared process's test-sized settings.
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ def operator_install(
 
 @pytest.fixture(scope="module")
 def module_operator(
-    operator_install: OperatorInstall, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    operator_install: OperatorInstall,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     """One ``baton-operator`` process for the tests of a module with ``SHARED_OPERATOR = True``
-    (started by ``baton`` when a test needs it, stopped after the module's last test)."""
+    (started by ``baton`` when a test needs it, stopped after the module's last test), with
+    the module's ``OPERATOR_ARGS`` added to its flags."""
     from baton_testing.operator_harness import operator_process
 
     op = operator_process(operator_install, tmp_path_factory.mktemp("operator-of-module"))
+    op.args.extend(getattr(request.module, "OPERATOR_ARGS", ()))
     try:
         yield op
     finally:

@@ -9,6 +9,7 @@ job Succeeds. The node-notice test also watches the disruption hints come and go
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -23,6 +24,14 @@ pytestmark = pytest.mark.cluster
 # One operator process for all of this module's tests (baton_testing.operator_fixtures: an
 # operator's stop costs about 6 s of teardown, per test when each test had its own).
 SHARED_OPERATOR = True
+# The adaptive interval's prior (node seconds per interruption before any is seen): 200 s, not
+# the production 6 h, so that the node time of one short job visibly lengthens the interval's
+# mean time between interruptions, while the first attempt's interval (default 30 s save
+# cost: sqrt(2 x 30 x 200 / 2 nodes) = 77 s) stays above the 60 s lower bound that the test
+# model's sub-second measured saves clamp to. Only `everySeconds: auto` jobs read it: the
+# module's other tests do not.
+PRIOR_SECONDS = 200
+OPERATOR_ARGS = ["--interval-prior-seconds", str(PRIOR_SECONDS)]
 
 STEPS = 40
 HINTS = {
@@ -279,11 +288,18 @@ def _label_pool(baton: Baton, pool: str | None) -> None:
 
 
 def test_two_preemptions_are_recorded_and_shorten_the_auto_interval(baton: Baton) -> None:
-    """A job with ``everySeconds: auto`` on one node pool is preempted twice (two pod
-    evictions, the cheapest notice: no node dies). Its history holds exactly those two, as
-    the test saw them; goodput agrees; the interval chosen after them, from the pool's rate,
-    is shorter than the first attempt's (from the prior), and the status shows its inputs.
-    (A quiet pool giving a longer interval needs hours of node time: the unit tests.)"""
+    """A job with ``everySeconds: auto`` on one node pool is first suspended and resumed
+    (a new attempt, no interruption), then preempted twice (two pod evictions, the cheapest
+    notice: no node dies). The interval is chosen once per attempt, at its start. The
+    resumed attempt's, from the quiet pool (node time, no interruption), has a longer mean
+    time between interruptions than the first attempt's prior (``PRIOR_SECONDS``, the
+    operator's ``--interval-prior-seconds``); the one chosen after the evictions, from the
+    pool's two interruptions, a shorter one than that quiet value, and a shorter interval than
+    the first attempt's. The status shows the inputs. The history holds exactly the two
+    evictions, as the test saw them; goodput agrees. (The interval *seconds* of the quiet
+    attempt are not compared with the first's: the first uses the 30 s default save cost,
+    the later ones the test model's measured sub-second save, which the 60 s lower bound
+    clamps; the unit tests compare seconds at equal save costs.)"""
     # Each eviction keeps its node out of later attempts: 2 + 2 nodes at least.
     while len(baton.cluster.nodes()) < 4:
         baton.cluster.add_node()
@@ -295,8 +311,18 @@ def test_two_preemptions_are_recorded_and_shorten_the_auto_interval(baton: Baton
         manifest["spec"]["checkpoint"]["everySeconds"] = "auto"
         assert baton.apply(manifest).returncode == 0
         first = baton.wait_phase(job, "Running", timeout=120)["checkpointInterval"]
+        # A quiet pool: a suspend and a resume start attempt 1 without an interruption.
+        baton.wait_steps(job, 5)
+        for value in (True, False):
+            patch = json.dumps({"spec": {"suspend": value}})
+            baton.cluster.kubectl(
+                "patch", "trainingjob", job, "-n", NAMESPACE, "--type", "merge", "-p", patch
+            )
+            if value:
+                baton.wait_phase(job, "Suspended", timeout=120)
+        quiet = baton.wait_phase(job, "Running", timeout=180)["checkpointInterval"]
         seen: list[tuple[str, datetime, datetime, dict[str, Any]]] = []
-        for attempt, at_step in ((0, 8), (1, 20)):
+        for attempt, at_step in ((1, 14), (2, 24)):
             baton.wait_steps(job, at_step)
             node, before = _evict(baton, job, 1)
             at_restart = baton.wait_for(
@@ -316,7 +342,7 @@ def test_two_preemptions_are_recorded_and_shorten_the_auto_interval(baton: Baton
     assert len(history) == 2, history
     for k, (entry, observed) in enumerate(zip(history, seen, strict=True)):
         node, before, seen_restart, at_restart = observed
-        assert (entry["attempt"], entry["source"]) == (k, "disruption-target"), entry
+        assert (entry["attempt"], entry["source"]) == (k + 1, "disruption-target"), entry
         assert node in entry["nodes"], (node, entry)
         earliest = before.replace(microsecond=0)  # status times are whole seconds
         assert earliest <= _time(entry["noticeAt"]) <= _time(entry["at"]) <= seen_restart, entry
@@ -338,13 +364,24 @@ def test_two_preemptions_are_recorded_and_shorten_the_auto_interval(baton: Baton
     assert 1 <= goodput["step"] <= STEPS, goodput
     assert goodput["productiveSeconds"] <= goodput["wallSeconds"] + 1, goodput
     assert abs(goodput["productiveSeconds"] - goodput["step"] * goodput["stepSeconds"]) <= 0.1
-    # The interval: the prior for attempt 0; the pool's two interruptions for attempt 2.
+    # The interval: the prior for attempt 0; the quiet pool's node time for attempt 1 (after
+    # the resume); the pool's two interruptions for attempt 3.
     last = final["checkpointInterval"]
     assert (first["attempt"], first["source"], first["saveMeasured"]) == (0, "prior", False)
+    assert (first["priorSeconds"], first["mtbiSeconds"]) == (PRIOR_SECONDS, PRIOR_SECONDS / 2)
+    assert "bounded" not in first, first
     labelled = f"baton.dev/node-pool={pool}"
-    assert (last["attempt"], last["source"], last["pool"]) == (2, "pool", labelled), last
+    assert (quiet["attempt"], quiet["source"], quiet["pool"]) == (1, "pool", labelled), quiet
+    assert (quiet["interruptions"], quiet["nodes"], quiet["saveMeasured"]) == (0, 2, True)
+    assert quiet["nodeSeconds"] > 0, quiet
+    # Per node: (node seconds + prior) / (0 + 1); the job's: that over its 2 nodes.
+    expected = (quiet["nodeSeconds"] + PRIOR_SECONDS) / 2
+    assert abs(quiet["mtbiSeconds"] - expected) <= 0.2, (quiet, expected)
+    assert quiet["mtbiSeconds"] > first["mtbiSeconds"], (first, quiet)
+    assert (last["attempt"], last["source"], last["pool"]) == (3, "pool", labelled), last
     assert (last["interruptions"], last["nodes"], last["saveMeasured"]) == (2, 2, True), last
-    assert last["nodeSeconds"] > 0, last
+    assert last["nodeSeconds"] > quiet["nodeSeconds"], (quiet, last)
+    assert last["mtbiSeconds"] < quiet["mtbiSeconds"], (quiet, last)
     assert last["mtbiSeconds"] < first["mtbiSeconds"], (first, last)
     assert last["seconds"] < first["seconds"], (first, last)
     exposure = final["exposure"]
