@@ -677,7 +677,10 @@ def test_init_container_native_sidecar_and_on_failure_restart(
         print("run", runs, flush=True)
         if runs == 1:
             sys.exit(1)
-        time.sleep(4)  # long enough for the test to see the pod Ready
+        # Stay up until the test has seen the pod Ready: it then writes "release" here.
+        deadline = time.monotonic() + 120
+        while not os.path.exists(d + "/release") and time.monotonic() < deadline:
+            time.sleep(0.1)
         """,
     ) | {"args": ["/shared"], "volumeMounts": shared}
     manifest = pod_manifest(
@@ -694,7 +697,11 @@ def test_init_container_native_sidecar_and_on_failure_restart(
         ready = pod and {c["type"]: c["status"] for c in pod["status"]["conditions"]}
         return pod if ready and ready["Ready"] == "True" else None
 
-    wait_for("the pod to be Ready with its sidecar", all_ready, timeout=30)
+    ready = wait_for("the pod to be Ready with its sidecar", all_ready, timeout=90)
+    # Ready seen: let the main container finish (a fixed sleep there raced a loaded machine).
+    meta = ready["metadata"]
+    volume = local_cluster.directory / "pods" / f"{namespace}_sidecar_{meta['uid']}" / "volumes"
+    (volume / "shared" / "release").touch()
     pod = wait_for(
         "the pod to succeed", lambda: pod_phase(core, namespace, "sidecar", "Succeeded", "Failed")
     )
