@@ -672,7 +672,7 @@ def test_init_container_native_sidecar_and_on_failure_restart(
         import os, sys, time
         d = sys.argv[1]
         assert os.path.exists(d + "/init")
-        runs = len(os.listdir(d))
+        runs = 1 + sum(name.startswith("run") for name in os.listdir(d))
         open(f"{d}/run{runs}", "w")
         print("run", runs, flush=True)
         if runs == 1:
@@ -693,18 +693,29 @@ def test_init_container_native_sidecar_and_on_failure_restart(
     core.create_namespaced_pod(namespace, build(client.V1Pod.from_dict, manifest))
 
     def all_ready() -> dict[str, Any] | None:
+        # Ready with the main container's second run (the first one may look Ready for the
+        # moment it runs before it fails).
         pod = pod_phase(core, namespace, "sidecar", "Running")
         ready = pod and {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-        return pod if ready and ready["Ready"] == "True" else None
+        main = (pod or {}).get("status", {}).get("containerStatuses") or [{}]
+        second = main[0].get("restartCount") == 1 and (main[0].get("state") or {}).get("running")
+        return pod if ready and ready["Ready"] == "True" and second else None
 
     ready = wait_for("the pod to be Ready with its sidecar", all_ready, timeout=90)
     # Ready seen: let the main container finish (a fixed sleep there raced a loaded machine).
     meta = ready["metadata"]
     volume = local_cluster.directory / "pods" / f"{namespace}_sidecar_{meta['uid']}" / "volumes"
     (volume / "shared" / "release").touch()
-    pod = wait_for(
-        "the pod to succeed", lambda: pod_phase(core, namespace, "sidecar", "Succeeded", "Failed")
-    )
+
+    def finished() -> dict[str, Any] | None:
+        # The pod turns terminal when its main container is done, and only then are its
+        # sidecars stopped (as the kubelet does): their end comes in a later status update.
+        pod = pod_phase(core, namespace, "sidecar", "Succeeded", "Failed")
+        statuses = (pod or {}).get("status", {}).get("initContainerStatuses") or []
+        stopped = all((s.get("state") or {}).get("terminated") for s in statuses)
+        return pod if pod and statuses and stopped else None
+
+    pod = wait_for("the pod to succeed and its sidecar to stop", finished)
     status = pod["status"]
     assert status["phase"] == "Succeeded"
     main_status = status["containerStatuses"][0]
