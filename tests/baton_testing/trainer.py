@@ -442,5 +442,20 @@ def loss_logs(out: str | os.PathLike[str], world_size: int) -> dict[int, dict[in
     return logs
 
 
+def reference(
+    tmp: Path, world_size: int, args: list[str], *, timeout: float = 300
+) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
+    """Train uninterrupted as ``world_size`` local processes (no pods, no operator) with
+    ``args`` plus a checkpoint, loss log and result under ``tmp``: the result and every
+    rank's losses, the reference a cluster test compares its job with."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    files = [
+        "--uri", str(tmp / "ck"), "--loss-log", str(tmp / "loss.log"),
+        "--result", str(tmp / "result.json"),
+    ]  # fmt: skip
+    run(world_size, [*args, *files], workdir=tmp / "out", timeout=timeout)
+    return json.loads((tmp / "result.json").read_text()), loss_logs(tmp, world_size)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -82,17 +82,6 @@ def _unschedulable(group: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
-    """The same training, uninterrupted, as 2 local processes (no pods, no operator)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    args = [
-        "--steps", str(STEPS), "--every-steps", str(EVERY), "--uri", str(tmp / "ck"),
-        "--loss-log", str(tmp / "loss.log"), "--result", str(tmp / "result.json"),
-    ]  # fmt: skip
-    trainer.run(REPLICAS, args, workdir=tmp / "out", timeout=300)
-    return json.loads((tmp / "result.json").read_text()), trainer.loss_logs(tmp, REPLICAS)
-
-
 def test_a_gang_job_binds_no_pod_until_every_rank_fits_then_trains_bitwise(
     baton: Baton, tmp_path: Path
 ) -> None:
@@ -129,7 +118,9 @@ def test_a_gang_job_binds_no_pod_until_every_rank_fits_then_trains_bitwise(
     master = f"{job}-a0-r0.{job}.{NAMESPACE}.svc.cluster.local"
     assert baton.status(job)["masterAddr"] == master
 
-    ref_result, ref_logs = _reference(tmp_path / "reference")
+    ref_result, ref_logs = trainer.reference(
+        tmp_path / "reference", REPLICAS, ["--steps", str(STEPS), "--every-steps", str(EVERY)]
+    )
     # While the reference ran, the job waited whole: both ranks exist, neither is bound.
     pods = baton.pods(job)
     diag = baton.diagnostics(job)

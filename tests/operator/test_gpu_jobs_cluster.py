@@ -153,17 +153,6 @@ def test_a_quota_refusal_is_reported_and_retried_with_backoff(baton: Baton) -> N
     baton.delete(job)
 
 
-def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
-    """The same training, uninterrupted, as 4 local processes (no launcher, no cluster)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    args = [
-        "--steps", str(STEPS), *_MODEL_ARGS, "--uri", str(tmp / "ck"),
-        "--loss-log", str(tmp / "loss.log"), "--result", str(tmp / "result.json"),
-    ]  # fmt: skip
-    trainer.run(WORLD, args, workdir=tmp / "out", timeout=600)
-    return json.loads((tmp / "result.json").read_text()), trainer.loss_logs(tmp, WORLD)
-
-
 def test_torchrun_2x2_gpus_survives_a_spot_notice_bitwise(baton: Baton, tmp_path: Path) -> None:
     baton.cluster.add_node()  # replaces the node this test takes away
     job = unique("tj-torchrun")
@@ -214,7 +203,9 @@ def test_torchrun_2x2_gpus_survives_a_spot_notice_bitwise(baton: Baton, tmp_path
     # No step lost or recomputed on any rank, and every loss and the final state equal the
     # uninterrupted 4-rank run bit for bit.
     got = trainer.loss_logs(out, WORLD)
-    ref_result, ref_logs = _reference(tmp_path / "reference")
+    ref_result, ref_logs = trainer.reference(
+        tmp_path / "reference", WORLD, ["--steps", str(STEPS), *_MODEL_ARGS], timeout=600
+    )
     for rank in range(WORLD):
         steps = sorted(got.get(rank, {}))
         assert steps == list(range(1, STEPS + 1)), f"rank {rank} logged steps {steps}"

@@ -237,21 +237,9 @@ def test_pod_disruption_target_checkpoints_and_moves_the_job(baton: Baton) -> No
     watcher = PodWatcher(baton, job)
     baton.wait_phase(job, "Running", timeout=120)
     baton.wait_steps(job, 8)
-    node = baton.node_of(job, 1)
-    pod = next(
-        p["metadata"]["name"]
-        for p in baton.pods(job)
-        if p["metadata"]["labels"]["baton.dev/rank"] == "1"
-    )
     # An eviction through the Eviction API sets DisruptionTarget (EvictionByEvictionAPI) on
     # the pod and nothing on the node.
-    core = kubernetes.client.CoreV1Api(baton.cluster.api)
-    before = datetime.now(tz=UTC)
-    core.create_namespaced_pod_eviction(
-        pod,
-        NAMESPACE,
-        kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod)),
-    )
+    node, before = _evict(baton, job, 1)
     _check_moved_and_exact(
         baton, job, node, watcher, "pod disruption: EvictionByEvictionAPI",
         source="disruption-target", before=before,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from baton_testing import trainer
@@ -52,17 +51,6 @@ def _kueue_problems(baton: Baton, job: str, attempt: int) -> list[str]:
     return found
 
 
-def _reference(tmp: Path) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:
-    """The same training, uninterrupted, as 2 local processes (no pods, no operator)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    args = [
-        "--steps", str(STEPS), "--every-steps", str(EVERY), "--uri", str(tmp / "ck"),
-        "--loss-log", str(tmp / "loss.log"), "--result", str(tmp / "result.json"),
-    ]  # fmt: skip
-    trainer.run(2, args, workdir=tmp / "out", timeout=300)
-    return json.loads((tmp / "result.json").read_text()), trainer.loss_logs(tmp, 2)
-
-
 def test_suspend_checkpoints_stops_every_pod_and_resumes_bitwise(
     baton: Baton, tmp_path: Path
 ) -> None:
@@ -95,7 +83,9 @@ def test_suspend_checkpoints_stops_every_pod_and_resumes_bitwise(
     baton.wait_for(job, lambda _: baton.pods(job) == [], timeout=90, what="every pod gone")
     assert any(e.startswith("Suspended: ") and f"step {step}" in e for e in baton.events(job))
 
-    ref_result, ref_logs = _reference(tmp_path / "reference")
+    ref_result, ref_logs = trainer.reference(
+        tmp_path / "reference", 2, ["--steps", str(STEPS), "--every-steps", str(EVERY)]
+    )
     # The job stayed suspended, without pods, while the reference ran.
     assert baton.status(job)["phase"] == "Suspended"
     assert baton.pods(job) == []
