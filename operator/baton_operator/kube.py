@@ -293,10 +293,28 @@ class Kube:
         return any(isinstance(r, dict) and r.get("name") == plural for r in resources)
 
     def _get_json(self, path: str) -> dict[str, Any]:
+        answer = self._call_json("GET", path)
+        return answer if isinstance(answer, dict) else {}
+
+    def _call_json(
+        self,
+        method: str,
+        path: str,
+        *,
+        path_params: dict[str, str] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Any:
+        """One raw JSON request (no generated models), its answer decoded; a status outside 2xx
+        raises ApiException, as the generated client does."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         params = self._api.param_serialize(
-            method="GET",
+            method=method,
             resource_path=path,
-            header_params={"Accept": "application/json"},
+            path_params=path_params or {},
+            header_params=headers,
+            body=body,
             auth_settings=["BearerToken"],
         )
         resp = self._api.call_api(*params)
@@ -305,8 +323,7 @@ class Kube:
             raise ApiException.from_response(
                 http_resp=resp, body=resp.data.decode("utf-8", "replace"), data=None
             )
-        answer = json.loads(resp.data)
-        return answer if isinstance(answer, dict) else {}
+        return json.loads(resp.data) if resp.data else None
 
     @_needs("", "secrets", "create")
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
@@ -350,17 +367,4 @@ class Kube:
         return True
 
     def _post_json(self, path: str, namespace: str, body: dict[str, Any]) -> None:
-        params = self._api.param_serialize(
-            method="POST",
-            resource_path=path,
-            path_params={"namespace": namespace},
-            header_params={"Accept": "application/json", "Content-Type": "application/json"},
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        resp = self._api.call_api(*params)
-        resp.read()
-        if not 200 <= resp.status <= 299:
-            raise ApiException.from_response(
-                http_resp=resp, body=resp.data.decode("utf-8", "replace"), data=None
-            )
+        self._call_json("POST", path, path_params={"namespace": namespace}, body=body)
