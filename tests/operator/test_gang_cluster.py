@@ -13,7 +13,6 @@ is bound, so it adds no load to the job's run. The PodGroup goes with the finish
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,10 +22,7 @@ from baton_testing.cluster import DEFAULT_CONFIG
 from baton_testing.operator_harness import (
     NAMESPACE,
     Baton,
-    OperatorInstall,
-    OperatorProcess,
     PodWatcher,
-    operator_process,
     unique,
 )
 from kubernetes import client
@@ -39,27 +35,9 @@ EVERY = 4
 REPLICAS = 2
 
 
-@pytest.fixture(scope="module")
-def gang_operator(
-    operator_install: OperatorInstall, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    """One operator for the module, with gang scheduling on whatever its default."""
-    op = operator_process(operator_install, tmp_path_factory.mktemp("gang-operator"))
-    op.args.append("--gang-scheduling")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-
-
-@pytest.fixture
-def baton(
-    gang_operator: OperatorProcess, operator_install: OperatorInstall, tmp_path: Path
-) -> Baton:
-    if gang_operator.proc is None or gang_operator.proc.poll() is not None:
-        gang_operator.start()
-    return Baton(install=operator_install, workdir=tmp_path, operator=gang_operator)
+# One operator for the module, with gang scheduling on whatever its default.
+SHARED_OPERATOR = True
+OPERATOR_ARGS = ("--gang-scheduling",)
 
 
 def _pod_group(baton: Baton, name: str) -> dict[str, Any] | None:

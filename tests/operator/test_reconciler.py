@@ -241,6 +241,11 @@ class Harness:
         self.cluster = ClusterView(config=self.config)
         self.events: list[tuple[str, str, str]] = []
         self.memory = JobMemory()
+        self.build()
+
+    def build(self, **extra: Any) -> None:
+        """(Re)make the Reconciler over the fakes, with a fresh metrics registry; ``extra`` are
+        more Reconciler arguments (a subclass's watch cache)."""
 
         async def post(job: Any, kind: str, reason: str, message: str) -> None:
             self.events.append((kind, reason, message))
@@ -254,6 +259,7 @@ class Harness:
             config=self.config,
             post_event=post,
             token_for=lambda spec: "token",
+            **extra,
         )
 
     def tick(self) -> float | None:

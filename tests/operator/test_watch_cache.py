@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import copy
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from baton_operator import manifests, watchcache
-from baton_operator.controller import Reconciler
-from baton_operator.metrics import Metrics
 from baton_operator.watchcache import WatchCache
-from prometheus_client import CollectorRegistry
 
 from .test_reconciler import JOB, NS, REPLICAS, FakeKube, Harness
 
@@ -125,21 +122,7 @@ class CachedHarness(Harness):
         self.kube = CountingKube(self.kube.job)
         self.cache = WatchCache()
         self.lagging = False
-
-        async def post(job: Any, kind: str, reason: str, message: str) -> None:
-            self.events.append((kind, reason, message))
-
-        self.registry = CollectorRegistry()
-        self.reconciler = Reconciler(
-            kube=cast(Any, self.kube),
-            sidecars=cast(Any, self.sidecars),
-            cluster=self.cluster,
-            metrics=Metrics(self.registry),
-            config=self.config,
-            post_event=post,
-            token_for=lambda spec: "token",
-            cache=self.cache,
-        )
+        self.build(cache=self.cache)
         self.delivered: set[str] = set()
 
     def deliver(self) -> None:
