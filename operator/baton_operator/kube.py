@@ -12,9 +12,11 @@ made it"), and patches are retried on ``409 Conflict``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
@@ -32,6 +34,13 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 _CONFLICT_RETRIES: Final = 5
+
+API_THREADS: Final = 16
+"""Worker threads for the API calls, and connections kept to the API server. The client is
+synchronous, so each call holds a thread for its round trip. Not asyncio's default executor:
+that has min(32, cores + 4) threads (6 on 2 cores) shared with the rest of the process, so when
+a node's notice concerns many jobs at once, their status writes queued there behind each other
+and behind unrelated work; 16 lets that many jobs' writes be in flight together."""
 
 # The client's generated stubs are partial (untyped config loaders, models where we ask for raw
 # JSON with _preload_content=False); the raw-dict boundary is typed by our own signatures.
@@ -82,6 +91,9 @@ def load_configuration(kubeconfig: str | None = None) -> Any:
     except k8s_config.ConfigException:
         path = kubeconfig or os.environ.get("KUBECONFIG") or None
         k8s_config.load_kube_config(config_file=path, client_configuration=configuration)
+    # One kept connection per worker thread (urllib3's default is cores x 5, 10 on 2 cores):
+    # a call beyond the pool's size opens and drops a connection of its own.
+    configuration.connection_pool_maxsize = API_THREADS
     return configuration
 
 
@@ -116,16 +128,22 @@ def _is_already_exists(e: ApiException) -> bool:
 class Kube:
     """Async wrappers around the few API calls the operator makes."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, *, threads: int = API_THREADS) -> None:
         self._api: Any = api_client
         self._core: Any = k8s_client.CoreV1Api(api_client)
         self._custom: Any = k8s_client.CustomObjectsApi(api_client)
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kube")
+
+    async def _run(self, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+        """Run one blocking client call on this API layer's own threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
     @_needs(crd.GROUP, crd.PLURAL, "get")
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Return the TrainingJob, or None when it is gone."""
         try:
-            job = await asyncio.to_thread(
+            job = await self._run(
                 self._custom.get_namespaced_custom_object,
                 crd.GROUP,
                 crd.VERSION,
@@ -161,7 +179,7 @@ class Kube:
             body["metadata"] = {"resourceVersion": resource_version}
         for attempt in range(_CONFLICT_RETRIES):
             try:
-                answer = await asyncio.to_thread(
+                answer = await self._run(
                     self._custom.patch_namespaced_custom_object_status,
                     crd.GROUP,
                     crd.VERSION,
@@ -186,7 +204,7 @@ class Kube:
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Return the pods matching ``label_selector`` as plain dicts."""
         try:
-            resp = await asyncio.to_thread(
+            resp = await self._run(
                 self._core.list_namespaced_pod,
                 namespace,
                 label_selector=label_selector,
@@ -206,7 +224,7 @@ class Kube:
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
         """Delete a pod (gone already is fine)."""
         try:
-            await asyncio.to_thread(
+            await self._run(
                 self._core.delete_namespaced_pod,
                 name,
                 namespace,
@@ -225,7 +243,7 @@ class Kube:
         """Merge ``annotations`` into a pod's (None removes a key); a pod gone is fine."""
         body = {"metadata": {"annotations": dict(annotations)}}
         try:
-            await asyncio.to_thread(
+            await self._run(
                 self._core.patch_namespaced_pod,
                 name,
                 namespace,
@@ -255,7 +273,7 @@ class Kube:
         """Delete a PodGroup (gone already is fine). Its finalizer keeps it until no pod
         uses it any more (the controller-manager's podgroup-protection controller)."""
         try:
-            await asyncio.to_thread(
+            await self._run(
                 self._custom.delete_namespaced_custom_object,
                 "scheduling.k8s.io",
                 "v1beta1",
@@ -278,7 +296,7 @@ class Kube:
         """
         path = f"/apis/{group_version}" if "/" in group_version else f"/api/{group_version}"
         try:
-            data = await asyncio.to_thread(self._get_json, path)
+            data = await self._run(self._get_json, path)
         except ApiException as e:
             if e.status == 404:
                 return False
@@ -336,7 +354,7 @@ class Kube:
         import base64
 
         try:
-            resp = await asyncio.to_thread(
+            resp = await self._run(
                 self._core.read_namespaced_secret, name, namespace, _preload_content=False
             )
         except ApiException as e:
@@ -357,7 +375,7 @@ class Kube:
         # integer quantity in `nvidia.com/gpu: 8`, the way every GPU manifest is written).
         name = body.get("metadata", {}).get("name", "?")
         try:
-            await asyncio.to_thread(
+            await self._run(
                 self._post_json, f"{prefix}/namespaces/{{namespace}}/{plural}", namespace, body
             )
         except ApiException as e:
