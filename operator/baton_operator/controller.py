@@ -228,6 +228,9 @@ class Reconciler:
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not p.finished], now)
             # A finished attempt's gang goes with it (its pods are kept, finished).
+            if spec.spec_error is not None:
+                await self._creator.reject(t, "InvalidSpec", spec.spec_error)
+                return tick
             await self._creator.drop_pod_groups(t, [status.attempt])
             return None
         if phase is Phase.SUSPENDED:

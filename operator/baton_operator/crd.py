@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Final
 
-from . import podpolicy
+from . import model, podpolicy
 
 __all__ = [
     "GPU_RESOURCE",
@@ -196,8 +196,62 @@ def _spec_schema() -> dict[str, Any]:
                 ),
             },
             "keepLast": _int("How many committed checkpoints to keep.", minimum=1),
+            "fastEverySteps": _int(
+                "The memory tier: every this many steps each rank also snapshots the whole "
+                "state into its pod's memory (a medium: Memory emptyDir), and the sidecar "
+                "copies it to fastReplicas peer pods on other nodes, so a node lost without "
+                "notice costs about this many steps (docs/operator.md, The memory tier). "
+                "Absent: no memory tier. Needs fastSizeLimit."
+            ),
+            "fastSizeLimit": {
+                "x-kubernetes-int-or-string": True,
+                "maxLength": _MAX_QUANTITY,
+                "description": (
+                    "The memory emptyDir's sizeLimit (bytes, or a quantity like 4Gi): about "
+                    "(2 + 2 x fastReplicas) x the pod's share of the checkpoint plus a margin. "
+                    "Required with fastEverySteps. The sidecar's memory request and limit grow "
+                    "with it; add 2 x the pod's share to the trainer's own memory request."
+                ),
+            },
+            "fastReplicas": _int(
+                "How many peer pods (on other nodes) keep a copy of each pod's snapshot: k "
+                "survives the loss of any k nodes. At most replicas - 1.",
+                minimum=1,
+                default=1,
+            ),
         },
         "x-kubernetes-validations": [
+            {
+                "rule": "!has(self.fastEverySteps) || self.fastEverySteps > 0",
+                "message": "spec.checkpoint.fastEverySteps must be greater than 0",
+                "fieldPath": ".fastEverySteps",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": "!has(self.fastEverySteps) || has(self.fastSizeLimit)",
+                "message": (
+                    "spec.checkpoint.fastSizeLimit is required with fastEverySteps: set it to "
+                    "the memory emptyDir's size, about (2 + 2 x fastReplicas) x the pod's share "
+                    "of the checkpoint plus a margin (docs/operator.md, The memory tier), e.g. "
+                    "4Gi"
+                ),
+                "fieldPath": ".fastSizeLimit",
+                "reason": "FieldValueRequired",
+            },
+            {
+                "rule": (
+                    "!has(self.fastSizeLimit) || (type(self.fastSizeLimit) == int ? "
+                    "self.fastSizeLimit > 0 : (self.fastSizeLimit.matches('"
+                    + model.QUANTITY_PATTERN.replace("\\", "\\\\")
+                    + "') && !self.fastSizeLimit.matches('^[0.]+[A-Za-z]*$')))"
+                ),
+                "message": (
+                    "spec.checkpoint.fastSizeLimit must be a positive byte quantity, written "
+                    "like 4Gi, 4096Mi or 4G"
+                ),
+                "fieldPath": ".fastSizeLimit",
+                "reason": "FieldValueInvalid",
+            },
             {
                 "rule": (
                     "self.uri.startsWith('s3://') || self.uri.startsWith('file://') || "
@@ -339,6 +393,18 @@ def _spec_schema() -> dict[str, Any]:
                     "spec.procsPerReplica or request more GPUs"
                 ),
                 "fieldPath": ".procsPerReplica",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": (
+                    "!has(self.checkpoint.fastEverySteps) || !has(self.checkpoint.fastReplicas) "
+                    "|| self.replicas <= 1 || self.checkpoint.fastReplicas < self.replicas"
+                ),
+                "message": (
+                    "spec.checkpoint.fastReplicas must be less than spec.replicas (each copy "
+                    "goes to another pod): lower fastReplicas"
+                ),
+                "fieldPath": ".checkpoint.fastReplicas",
                 "reason": "FieldValueInvalid",
             },
             {

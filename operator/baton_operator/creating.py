@@ -202,17 +202,21 @@ class Creator:
 
     async def refuse(self, t: Tick, refused: Sequence[podpolicy.Refusal]) -> None:
         """The template asks for what the pod policy forbids: fail the job, naming the fields."""
-        message = podpolicy.summary(refused)
+        await self.reject(t, "PodTemplateRefused", podpolicy.summary(refused))
+
+    async def reject(self, t: Tick, reason: str, message: str) -> None:
+        """The spec cannot be run: fail the job with ``message`` (which names the fix) in its
+        status, conditions and an Event."""
         # The next tick sees Failed and deletes whatever pods the job still has.
         await self._writer.patch(
             t,
             t.patch()
             .phase(Phase.FAILED)
-            .condition("Ready", False, "PodTemplateRefused", message)
-            .condition("Failed", True, "PodTemplateRefused", message)
+            .condition("Ready", False, reason, message)
+            .condition("Failed", True, reason, message)
             .set({"message": message, "notice": None}),
         )
-        await self._writer.event(t.job, "Warning", "PodTemplateRefused", message)
+        await self._writer.event(t.job, "Warning", reason, message)
 
     async def _create(self, t: Tick, status: JobStatus, *, kind: str, body: dict[str, Any]) -> bool:
         """Create a pod, the Service or a PodGroup; on an error, report it and return False.

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -33,6 +35,8 @@ __all__ = [
     "ATTEMPT_LABEL",
     "CONTROL_DIR",
     "CONTROL_VOLUME",
+    "FAST_DIR",
+    "FAST_VOLUME",
     "JOB_LABEL",
     "KUEUE_GROUP_COUNT_ANNOTATION",
     "KUEUE_GROUP_LABEL",
@@ -52,8 +56,10 @@ __all__ = [
     "pod_labels",
     "pod_manifest",
     "pod_name",
+    "replication_peers",
     "secret_name",
     "service_manifest",
+    "sidecar_address",
     "token_secret_manifest",
 ]
 
@@ -79,6 +85,10 @@ TRAINER_NAME: Final = "trainer"
 SIDECAR_NAME: Final = "baton-sidecar"
 CONTROL_VOLUME: Final = "baton-control"
 CONTROL_DIR: Final = "/var/run/baton/control"
+FAST_VOLUME: Final = "baton-fast"
+FAST_DIR: Final = "/var/run/baton/fast"
+"""The memory tier's ``emptyDir`` (``medium: Memory``), mounted here in the trainer and the
+sidecar: ``BATON_FAST_DIR`` in both (docs/operator.md, "The memory tier")."""
 TOKEN_VOLUME: Final = "baton-token"  # noqa: S105 (a volume name, not a secret)
 TOKEN_DIR: Final = "/var/run/baton/token"  # noqa: S105 (a mount path)
 TOKEN_KEY: Final = "token"  # noqa: S105 (a key name)
@@ -94,10 +104,19 @@ _CONTRACT_ENV: Final = frozenset(
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
         "MASTER_ADDR", "MASTER_PORT", "POD_IP", "BATON_CHECKPOINT_URI", "BATON_RESUME_STEP",
         "BATON_JOB", "BATON_ATTEMPT", "BATON_CONTROL_DIR", "BATON_EVERY_STEPS",
-        "BATON_EVERY_SECONDS", "BATON_KEEP_LAST", "PET_NNODES", "PET_NODE_RANK",
+        "BATON_EVERY_SECONDS", "BATON_KEEP_LAST", "BATON_FAST_EVERY_STEPS", "BATON_FAST_DIR",
+        "PET_NNODES", "PET_NODE_RANK",
         "PET_NPROC_PER_NODE", "PET_MASTER_ADDR", "PET_MASTER_PORT",
     }
 )  # fmt: skip
+
+_MI: Final = 1 << 20
+_SIDECAR_MEMORY: Final = "48Mi"
+"""The sidecar's memory request without replication: 39 MiB measured resident with all three
+cloud pollers on (docs/sidecar.md)."""
+_REPLICATING_SIDECAR_BASE_MI: Final = 64
+"""The replicating sidecar's own memory, before the replicas it holds: the 48 MiB above plus
+one 1 MiB chunk per transfer and aiohttp's buffers, with a margin."""
 
 _DEFAULT_GRACE: Final = 30
 """The pod's terminationGracePeriodSeconds when the template leaves it unset (Kubernetes')."""
@@ -315,7 +334,66 @@ def _trainer_env(
         env.append(_env("BATON_EVERY_SECONDS", every_seconds))
     if spec.keep_last is not None:
         env.append(_env("BATON_KEEP_LAST", spec.keep_last))
+    if spec.fast is not None:
+        env.append(_env("BATON_FAST_EVERY_STEPS", spec.fast.every_steps))
+        env.append(_env("BATON_FAST_DIR", FAST_DIR))
     return env
+
+
+def sidecar_address(spec: JobSpec, config: OperatorConfig, attempt: int, rank: int) -> str:
+    """``http://<DNS name>:<port>`` of a rank's sidecar: its pod's name under the job's
+    headless Service, which resolves as soon as the pod has an IP and follows a pod replaced
+    under the same name."""
+    host = _hostname(spec, attempt, rank)
+    dns = f"{host}.{_subdomain(spec)}.{spec.namespace}.svc.{config.cluster_domain}"
+    return f"http://{dns}:{config.sidecar_port}"
+
+
+def replication_peers(
+    spec: JobSpec, config: OperatorConfig, *, attempt: int, rank: int, replicas: int
+) -> list[dict[str, str]]:
+    """The other ranks' sidecars in ring order, starting after ``rank`` (the sidecar sends to
+    the first ``fastReplicas`` that answer, so every pod receives as many copies as it sends).
+    Their failure domains are unknown before the pods are placed: empty, which the sidecar
+    never skips; one pod per node (the ranks' anti-affinity) already keeps every copy on
+    another node, and the operator sets the domains once the pods are placed."""
+    order = [(rank + k) % replicas for k in range(1, replicas)]
+    return [{"address": sidecar_address(spec, config, attempt, r), "domain": ""} for r in order]
+
+
+def _mi(n: int) -> str:
+    return f"{math.ceil(n / _MI)}Mi"
+
+
+def _sidecar_replication(
+    spec: JobSpec, config: OperatorConfig, *, attempt: int, rank: int, replicas: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """The replicating sidecar's env and resources; None without the memory tier, or with a
+    single pod (no peer to copy to: its snapshots serve only that pod)."""
+    fast = spec.fast
+    if fast is None or replicas < 2:
+        return None
+    copies = min(fast.replicas, replicas - 1)
+    peers = replication_peers(spec, config, attempt=attempt, rank=rank, replicas=replicas)
+    env = [
+        _env("BATON_FAST_DIR", FAST_DIR),
+        _env("BATON_REPLICATION_REPLICAS", copies),
+        _env("BATON_REPLICATION_PEERS", json.dumps(peers, separators=(",", ":"))),
+        # This pod's own domain: its node (the peers' come with the operator's update).
+        _field_env("BATON_FAILURE_DOMAIN", "spec.nodeName"),
+    ]
+    # A tmpfs page is charged to the container that writes it: the sidecar writes the
+    # replicas it receives (2 per copy it holds: the newest and the next) and a restore's
+    # fill. With the emptyDir sized (2 + 2 x copies) x the pod's share, the replicas are
+    # copies / (1 + copies) of it (the request); a fill after a pod's loss can take the
+    # rest, and the kubelet evicts a pod past sizeLimit anyway, so the limit is all of it.
+    base = _REPLICATING_SIDECAR_BASE_MI * _MI
+    held = math.ceil(fast.size_bytes * copies / (1 + copies))
+    resources = {
+        "requests": {"cpu": "10m", "memory": _mi(base + held)},
+        "limits": {"memory": _mi(base + fast.size_bytes)},
+    }
+    return env, resources
 
 
 def _restricted(container: dict[str, Any]) -> None:
@@ -324,7 +402,9 @@ def _restricted(container: dict[str, Any]) -> None:
     container["securityContext"] = ctx
 
 
-def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
+def _sidecar(
+    spec: JobSpec, config: OperatorConfig, *, attempt: int, rank: int, replicas: int
+) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": config.sidecar_image,
@@ -348,8 +428,7 @@ def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
             {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         ],
-        # Measured: 39 MiB resident with all three cloud pollers on (docs/sidecar.md).
-        "resources": {"requests": {"cpu": "10m", "memory": "48Mi"}},
+        "resources": {"requests": {"cpu": "10m", "memory": _SIDECAR_MEMORY}},
         # The trainer starts only once the sidecar answers (a native sidecar's startup probe
         # gates the main containers), so a notice can never arrive before it is heard.
         "startupProbe": {
@@ -363,8 +442,14 @@ def _sidecar(spec: JobSpec, config: OperatorConfig) -> dict[str, Any]:
             "failureThreshold": 3,
         },
     }
+    if spec.fast is not None:
+        container["volumeMounts"].append({"name": FAST_VOLUME, "mountPath": FAST_DIR})
+    replication = _sidecar_replication(spec, config, attempt=attempt, rank=rank, replicas=replicas)
+    if replication is not None:
+        container["env"].extend(replication[0])
+        container["resources"] = replication[1]
     _restricted(container)
-    # The sidecar writes only into the control emptyDir.
+    # The sidecar writes only into the control and memory-tier emptyDirs.
     container["securityContext"]["readOnlyRootFilesystem"] = True
     return container
 
@@ -455,21 +540,35 @@ def pod_manifest(
         grace = pod_spec.get("terminationGracePeriodSeconds")
         env.append(_env("PET_SHUTDOWN_TIMEOUT", _DEFAULT_GRACE if grace is None else grace))
     trainer["env"] = env + user_env
-    mounts = [m for m in trainer.get("volumeMounts") or [] if m.get("name") != CONTROL_VOLUME]
-    trainer["volumeMounts"] = [*mounts, {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR}]
+    ours = (CONTROL_VOLUME, FAST_VOLUME)
+    mounts = [m for m in trainer.get("volumeMounts") or [] if m.get("name") not in ours]
+    mounts.append({"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR})
+    if spec.fast is not None:
+        mounts.append({"name": FAST_VOLUME, "mountPath": FAST_DIR})
+    trainer["volumeMounts"] = mounts
     for c in containers:
         _restricted(c)
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != SIDECAR_NAME]
     for c in init:
         _restricted(c)
-    pod_spec["initContainers"] = [_sidecar(spec, config), *init]
+    sidecar = _sidecar(spec, config, attempt=attempt, rank=rank, replicas=replicas)
+    pod_spec["initContainers"] = [sidecar, *init]
 
     volumes = [
         v
         for v in pod_spec.get("volumes") or []
-        if v.get("name") not in (CONTROL_VOLUME, TOKEN_VOLUME)
+        if v.get("name") not in (CONTROL_VOLUME, TOKEN_VOLUME, FAST_VOLUME)
     ]
     volumes.append({"name": CONTROL_VOLUME, "emptyDir": {}})
+    if spec.fast is not None:
+        # tmpfs: a snapshot's pages are memory, charged to the container that writes them;
+        # the kubelet sizes the tmpfs at sizeLimit (and evicts a pod past it).
+        volumes.append(
+            {
+                "name": FAST_VOLUME,
+                "emptyDir": {"medium": "Memory", "sizeLimit": spec.fast.size_limit},
+            }
+        )
     volumes.append(
         {
             "name": TOKEN_VOLUME,

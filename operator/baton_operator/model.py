@@ -6,16 +6,97 @@ only so that a body that skipped defaulting (a unit test, an old object) still p
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Final
 
-__all__ = ["KUEUE_PRIORITY_LABEL", "KUEUE_QUEUE_LABEL", "JobSpec", "LastCheckpoint"]
+__all__ = [
+    "KUEUE_PRIORITY_LABEL",
+    "KUEUE_QUEUE_LABEL",
+    "QUANTITY_PATTERN",
+    "FastTier",
+    "JobSpec",
+    "LastCheckpoint",
+    "parse_bytes",
+]
 
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 """The LocalQueue a workload is queued in (Kueue's ``constants.QueueLabel``)."""
 KUEUE_PRIORITY_LABEL: Final = "kueue.x-k8s.io/priority-class"
 """The WorkloadPriorityClass of a workload (Kueue's ``constants.WorkloadPriorityClassLabel``)."""
+
+
+QUANTITY_PATTERN: Final = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A byte quantity as ``sizeLimit`` takes one: digits, an optional fraction and a binary or
+decimal suffix (``4Gi``, ``1.5G``, ``4096Mi``). The CRD checks the same pattern."""
+_UNITS: Final = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def parse_bytes(value: object) -> int | None:
+    """A quantity of bytes (an integer, or a string of :data:`QUANTITY_PATTERN`), rounded up
+    to whole bytes; None when it is not one, or is not positive."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if not isinstance(value, str) or not re.fullmatch(QUANTITY_PATTERN, value):
+        return None
+    digits = value.rstrip("kKMGTPEi")
+    n = math.ceil(Decimal(digits) * _UNITS[value[len(digits) :]])
+    return n if n > 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FastTier:
+    """``spec.checkpoint.fastEverySteps`` and its sizing: the memory tier (docs/operator.md,
+    "The memory tier")."""
+
+    every_steps: int
+    """``BATON_FAST_EVERY_STEPS``: a snapshot into pod memory every this many steps."""
+    size_limit: str
+    """``fastSizeLimit`` as written: the memory ``emptyDir``'s ``sizeLimit``."""
+    size_bytes: int
+    """The same, in bytes (what the sidecar's memory is sized from)."""
+    replicas: int
+    """``fastReplicas``: peer pods that keep a copy of each pod's snapshot."""
+
+
+def _fast_tier(ckpt: Mapping[str, Any]) -> tuple[FastTier | None, str | None]:
+    """The memory tier of ``spec.checkpoint``, or why it is invalid (the CRD refuses the same
+    at admission; this is the backstop for an old CRD or a server without CEL)."""
+    every, size, replicas = (
+        ckpt.get("fastEverySteps"),
+        ckpt.get("fastSizeLimit"),
+        ckpt.get("fastReplicas", 1),
+    )
+    if every is None:
+        return None, None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        return None, f"spec.checkpoint.fastEverySteps={every!r}: use an integer of 1 or more"
+    if size is None:
+        return None, (
+            "spec.checkpoint.fastSizeLimit is required with fastEverySteps: set it to the "
+            "memory emptyDir's size, about (2 + 2 x fastReplicas) x the pod's share of the "
+            "checkpoint plus a margin (docs/operator.md, The memory tier), e.g. 4Gi"
+        )
+    size_bytes = parse_bytes(size)
+    if size_bytes is None:
+        return None, (
+            f"spec.checkpoint.fastSizeLimit={size!r} is not a positive byte quantity: write "
+            "it like 4Gi, 4096Mi or 4G"
+        )
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        return None, f"spec.checkpoint.fastReplicas={replicas!r}: use an integer of 1 or more"
+    tier = FastTier(
+        every_steps=every, size_limit=str(size), size_bytes=size_bytes, replicas=replicas
+    )
+    return tier, None
 
 
 def _queue_labels(labels: Mapping[str, Any]) -> dict[str, str]:
@@ -58,6 +139,11 @@ class JobSpec:
     queue_labels: Mapping[str, str] = field(default_factory=dict)
     """The job's Kueue labels that its pods carry too (``kueue.x-k8s.io/queue-name`` and
     ``kueue.x-k8s.io/priority-class``); empty when the job names no queue."""
+    fast: FastTier | None = None
+    """The memory tier (``spec.checkpoint.fastEverySteps``); None when it is off or invalid."""
+    spec_error: str | None = None
+    """Why the spec cannot be run, with the fix (the controller fails the job with it before
+    creating anything); None when it can."""
 
     @property
     def key(self) -> str:
@@ -71,12 +157,20 @@ class JobSpec:
         spec = body.get("spec") or {}
         ckpt = spec.get("checkpoint") or {}
         policy = spec.get("failurePolicy") or {}
+        fast, spec_error = _fast_tier(ckpt)
+        replicas = int(spec["replicas"])
+        if fast is not None and 1 < replicas <= fast.replicas:
+            spec_error = (
+                f"spec.checkpoint.fastReplicas={fast.replicas} must be less than spec.replicas="
+                f"{replicas} (each copy goes to another pod): lower fastReplicas"
+            )
+            fast = None
         return cls(
             namespace=str(meta.get("namespace", "default")),
             name=str(meta["name"]),
             uid=str(meta.get("uid", "")),
             generation=int(meta.get("generation", 0)),
-            replicas=int(spec["replicas"]),
+            replicas=replicas,
             procs_per_replica=int(spec.get("procsPerReplica", 1)),
             min_replicas=None if spec.get("minReplicas") is None else int(spec["minReplicas"]),
             elastic_wait_seconds=float(spec.get("elasticWaitSeconds", 60)),
@@ -96,6 +190,8 @@ class JobSpec:
             suspend=bool(spec.get("suspend", False)),
             deletion_cost=bool((spec.get("disruption") or {}).get("deletionCost", False)),
             queue_labels=_queue_labels(meta.get("labels") or {}),
+            fast=fast,
+            spec_error=spec_error,
         )
 
 

@@ -215,7 +215,7 @@ def test_every_rule_has_a_message_and_a_field_path() -> None:
     policy = [r for _, r in rules if r["message"].endswith("(docs/operator.md, Security policy)")]
     assert len(policy) == 14
     rules = [(p, r) for p, r in rules if r not in policy]
-    assert len(rules) == 11  # 3 immutability + 4 spec + 1 template + 3 checkpoint
+    assert len(rules) == 15  # 3 immutability + 5 spec + 1 template + 6 checkpoint
     for path, rule in rules:
         assert rule["message"], f"rule at {path} has no message"
         assert rule["fieldPath"].startswith("."), f"rule at {path} has no fieldPath"
