@@ -35,17 +35,18 @@ $(VENV)/.test-helpers: $(VENV)/.installed
 	@touch $@
 
 ## Everything the tests need, set up side by side: .venv/ (the Python packages download and
-## install while the Go builds compile), the local Kubernetes cluster, Helm and the versitygw S3
-## server (all built from Go modules, cached by content hash), and Debian's Prometheus (server +
-## promtool).
+## install while the Go builds compile), the local Kubernetes cluster, Helm, the versitygw S3
+## server and Kueue's controller manager (all built from Go modules, cached by content hash), and
+## Debian's Prometheus (server + promtool).
 ## Each part prints its progress prefixed with its name; one failed part fails the build.
 ## A warm run does no work: every part checks its cache or stamp and returns at once.
 ## To add a part: one name in SETUP_PARTS and one setup-NAME line below.
-SETUP_PARTS := venv cluster helm versitygw prometheus
+SETUP_PARTS := venv cluster helm versitygw kueue prometheus
 setup-venv: ; @tools/setup-part.sh venv $(MAKE) --no-print-directory $(VENV)/.installed $(VENV)/.test-helpers
 setup-cluster: ; @tools/setup-part.sh cluster tests/cluster/build.sh
 setup-helm: ; @tools/setup-part.sh helm tools/helm/build.sh
 setup-versitygw: ; @tools/setup-part.sh versitygw tools/versitygw/build.sh
+setup-kueue: ; @tools/setup-part.sh kueue tools/kueue/build.sh
 setup-prometheus: ; @tools/setup-part.sh prometheus tools/prometheus.sh
 
 # Not .PHONY on purpose: a name in SETUP_PARTS without its rule then fails ("No rule to make
