@@ -322,14 +322,43 @@ func (w *podWorker) shouldRestart(cr *containerRun) bool {
 	if cr.term == nil {
 		return true
 	}
-	switch w.restartPolicy() {
+	// Kubernetes 1.35+ (ContainerRestartRules, beta, on by default): a regular container's
+	// own rules are checked in order, the first match wins; then its own restartPolicy, when
+	// set, overrides the pod's (pkg/kubelet/container's ShouldContainerBeRestarted).
+	code := cr.term.ExitCode
+	for _, rule := range cr.spec.RestartPolicyRules {
+		if rule.Action == corev1.ContainerRestartRuleActionRestart && rule.ExitCodes != nil &&
+			exitCodeMatches(rule.ExitCodes, code) {
+			return true
+		}
+	}
+	policy := w.restartPolicy()
+	if cr.kind == kindMain && cr.spec.RestartPolicy != nil {
+		policy = corev1.RestartPolicy(*cr.spec.RestartPolicy)
+	}
+	switch policy {
 	case corev1.RestartPolicyAlways:
 		return true
 	case corev1.RestartPolicyOnFailure:
-		return cr.term.ExitCode != 0
+		return code != 0
 	default:
 		return false
 	}
+}
+
+// exitCodeMatches evaluates a restart rule's exitCodes requirement (In / NotIn).
+func exitCodeMatches(req *corev1.ContainerRestartRuleOnExitCodes, code int32) bool {
+	in := false
+	for _, v := range req.Values {
+		if v == code {
+			in = true
+			break
+		}
+	}
+	if req.Operator == corev1.ContainerRestartRuleOnExitCodesOpNotIn {
+		return !in
+	}
+	return req.Operator == corev1.ContainerRestartRuleOnExitCodesOpIn && in
 }
 
 func (w *podWorker) terminalPhase() corev1.PodPhase {
