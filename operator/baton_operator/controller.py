@@ -25,6 +25,7 @@ path, the sidecar polls); splitting it further would scatter a tick across files
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -41,7 +42,7 @@ from .metrics import Metrics
 from .model import JobSpec, LastCheckpoint
 from .nodes import ClusterView
 from .notices import Notice, parse_time
-from .pods import PodView, delete_grace, notice_for, noticed_nodes, rank_view
+from .pods import PodView, delete_grace, notice_for, noticed_nodes, rank_view, restarted
 from .reports import SidecarStatus
 from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient
@@ -67,6 +68,18 @@ that happened in the gap (kopf does not), and this bounds how long such a ghost 
 
 def _now() -> datetime:
     return datetime.now(tz=UTC)
+
+
+def _is_dns_name(address: str | None) -> bool:
+    """Whether ``masterAddr`` is a name (gang path), which follows rank 0's pod replaced under
+    the same name, rather than a pod IP, which does not."""
+    if not address:
+        return False
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return True
+    return False
 
 
 def _last_commit_time(job: Mapping[str, Any], status: JobStatus) -> float:
@@ -215,6 +228,9 @@ class Reconciler:
                 # lent to a template that asks for the node's privileges.
                 await self._creator.refuse(t, refused)
                 return tick
+            if spec.spec_error is not None:
+                await self._creator.reject(t, "InvalidSpec", spec.spec_error)
+                return tick
         if phase is None:
             await self._creator.start(t)
             return tick
@@ -228,9 +244,6 @@ class Reconciler:
             if phase is Phase.FAILED:
                 await self._delete_pods(spec, [p for p in pods if not p.finished], now)
             # A finished attempt's gang goes with it (its pods are kept, finished).
-            if spec.spec_error is not None:
-                await self._creator.reject(t, "InvalidSpec", spec.spec_error)
-                return tick
             await self._creator.drop_pod_groups(t, [status.attempt])
             return None
         if phase is Phase.SUSPENDED:
@@ -276,6 +289,10 @@ class Reconciler:
         if spec.suspend:
             await self._suspender.begin(t, phase)
             return 0.0 if phase is Phase.RUNNING else tick
+        recovery = (t.job.get("status") or {}).get("recovery")
+        if recovery:
+            await self._recovering(t, recovery)
+            return tick
         await self._creator.ensure_pods(t, status, replicas=replicas)
         notice = notice_for(t.current.values(), self._cluster, now=now,
                             graces=self._config.graces)  # fmt: skip
@@ -303,6 +320,8 @@ class Reconciler:
                 for v in t.views
             ]
             outcome, detail = lifecycle.classify(t.views, replicas)
+        if outcome in (Outcome.RUNNING, Outcome.PENDING) and await self._crashed_in_place(t):
+            return tick
         await self._act(t, phase, outcome, detail)
         return tick
 
@@ -398,6 +417,9 @@ class Reconciler:
                     "restartAfter": None if plan.restart_after is None else iso(plan.restart_after),
                     "masterAddr": None,
                     "notice": None,
+                    # A new attempt has new pods: no recovery of the old one goes on.
+                    "recovery": None,
+                    "trainerRestarts": None,
                     "unschedulableSince": None,
                     "message": plan.message,
                     "exposure": exposure,
@@ -457,6 +479,221 @@ class Reconciler:
             .set({"attemptStartedAt": iso(now), "restartAfter": None, "message": message}),
         )
         await self._creator.ensure_pods(t, replace(status, master_addr=None), replicas=replicas)
+
+    # ----------------------------------------------------------------- recovery
+
+    async def _begin_recovery(self, t: Tick, detail: str) -> bool:
+        """A loss without notice, with the memory tier on: replace only the lost pods.
+
+        Returns False when the job restarts as a new attempt instead (lifecycle.plan_recovery
+        says why; the failure budget is spent: the restart path fails the job). The decision
+        (``status.recovery``, the failure, the interruption) is written before any pod is
+        deleted, so a restarted operator carries it on (:meth:`_recovering`).
+        """
+        spec, status, now = t.spec, t.status, t.now
+        plan, why = lifecycle.plan_recovery(
+            t.views, memory_tier=spec.fast is not None,
+            master_is_name=_is_dns_name(status.master_addr),
+        )  # fmt: skip
+        if plan is None:
+            if spec.fast is not None:
+                _log.info("%s: a new attempt, not a recovery: %s", spec.key, why)
+            return False
+        failures = status.failures + 1
+        if failures > spec.max_failures:
+            return False
+        replaced: list[dict[str, Any]] = []
+        for rank in plan.replace:
+            pod = t.current.get(rank)
+            name = manifests.pod_name(spec.name, status.attempt, rank)
+            replaced.append(
+                {"rank": rank, "pod": name, "uid": pod.uid if pod else "",
+                 "node": pod.node if pod else None}
+            )  # fmt: skip
+        kept = [t.current[r].name for r in plan.keep if r in t.current]
+        cause = economics.Cause(source="node-lost" if plan.nodes else "failure", nodes=plan.nodes)
+        record = economics.entry(
+            cause, attempt=status.attempt, resume_step=status.resume_step,
+            progress=economics.progress(t.memory.reports.values()),
+            gpus=economics.gpus(t.current.values()), now=now,
+        )  # fmt: skip
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        names = ", ".join(e["pod"] for e in replaced)
+        message = (
+            f"{detail}: replacing only pod(s) {names}; keeping {', '.join(kept)}, whose "
+            "trainers restart in place and restore from the memory tier"
+        )
+        patch = (
+            t.patch()
+            .condition("Recovering", True, "PodsLost", message)
+            .set(
+                {
+                    "failures": failures,
+                    "message": message,
+                    "avoidNodes": sorted(set(status.avoid_nodes) | set(plan.nodes)),
+                    "recovery": {
+                        "startedAt": iso(now), "replaced": replaced, "kept": kept,
+                        "nodes": list(plan.nodes),
+                    },
+                    "interruptions": economics.appended(raw.get("interruptions") or [], record),
+                    "stepsLost": int(raw.get("stepsLost") or 0) + int(record.get("stepsLost") or 0),
+                }
+            )
+        )  # fmt: skip
+        await self._patch(t, patch)
+        key = (spec.namespace, spec.name)
+        self._metrics.failure_budget.labels(*key).set(max(0, spec.max_failures - failures))
+        self._metrics.interruption(spec.namespace, spec.name, record)
+        self._metrics.count_restart(spec.namespace, spec.name, "failure")
+        await self._event(t.job, "Warning", "Recovering", message)
+        for entry in replaced:
+            if entry["uid"]:
+                # Force: the node is gone, no kubelet will confirm a graceful delete, and the
+                # replacement takes the same name.
+                await self._kube.delete_pod(spec.namespace, entry["pod"], grace_seconds=0)
+        return True
+
+    async def _recovering(self, t: Tick, recovery: Mapping[str, Any]) -> None:
+        """Carry a recovery on: the lost pods go, their replacements come, and once every rank
+        reports its restore the recovery ends (or, stuck, becomes a new attempt)."""
+        spec, status, now = t.spec, t.status, t.now
+        notice = notice_for(t.current.values(), self._cluster, now=now,
+                            graces=self._config.graces)  # fmt: skip
+        if notice is not None:
+            # Nothing trains until the recovery ends: move at once, as before a start.
+            await self._begin_checkpoint(t, Phase.PENDING, notice)
+            return
+        started = parse_time(recovery.get("startedAt")) or now
+        replaced = {int(e["rank"]): e for e in recovery.get("replaced") or []}
+        replicas = status.replicas_or(spec.replicas)
+        for rank, entry in sorted(replaced.items()):
+            pod = t.current.get(rank)
+            if pod is not None and entry.get("uid") and pod.uid == entry["uid"]:
+                await self._kube.delete_pod(spec.namespace, pod.name, grace_seconds=0)
+            elif pod is None and t.memory.may_create(now):
+                await self._creator.replace_pod(t, status, rank=rank, replicas=replicas)
+        accounted: Mapping[str, Any] = (t.job.get("status") or {}).get("trainerRestarts") or {}
+        why = ""
+        for v in t.views:
+            pod = t.current.get(v.rank)
+            new = pod is not None and pod.uid != (replaced.get(v.rank) or {}).get("uid")
+            if v.node_lost and (v.rank not in replaced or new):
+                why = f"rank {v.rank}'s node {v.node} was lost during the recovery"
+            elif v.exit_code not in (None, 0):
+                why = f"rank {v.rank} (pod {v.pod}) exited with code {v.exit_code}"
+            elif pod is not None and pod.trainer_restarts > (
+                int(accounted.get(pod.name) or 0) + lifecycle.RECOVERY_RESTARTS
+            ):
+                why = (
+                    f"rank {v.rank}'s trainer restarted {pod.trainer_restarts} times (last "
+                    f"exit code {pod.trainer_last_exit}): a crash loop"
+                )
+            if why:
+                break
+        if not why and (now - started).total_seconds() > lifecycle.RECOVERY_SECONDS:
+            why = f"not every rank restored within {lifecycle.RECOVERY_SECONDS:.0f}s"
+        if why:
+            message = f"the recovery that kept the survivors failed: {why}"
+            await self._event(t.job, "Warning", "RecoveryFailed", message)
+            # Counted as its own failure: the recovery's was counted when it began.
+            await self._restart(
+                t, kind="failure", resume_step=status.resume_step, detail=message,
+                cause=economics.Cause(source="failure"),
+            )  # fmt: skip
+            return
+        await self._poll_ranks(t.views, t.memory)
+        fresh = [t.memory.reports.get(r) for r in range(replicas)]
+        restored = [
+            r for r in fresh
+            if r is not None and r.heartbeat is not None and r.heartbeat >= started
+            and (r.restored_step is not None or r.train_step is not None)
+        ]  # fmt: skip
+        if len(restored) < replicas or len(t.current) < replicas:
+            return
+        await self._end_recovery(t, recovery, started, restored)
+
+    async def _end_recovery(
+        self,
+        t: Tick,
+        recovery: Mapping[str, Any],
+        started: datetime,
+        restored: Sequence[SidecarStatus],
+    ) -> None:
+        """Every rank restored: record from where and which tier, and what it cost."""
+        spec, status, now = t.spec, t.status, t.now
+        loaded = reports.loaded_step(restored)
+        tiers = sorted({r.restored_tier for r in restored if r.restored_tier})
+        tier = "durable" if "durable" in tiers else (tiers[0] if tiers else None)
+        seconds = round((now - started).total_seconds(), 3)
+        names = ", ".join(str(e.get("pod")) for e in recovery.get("replaced") or [])
+        where = "from scratch" if loaded is None else f"from step {loaded}"
+        if tier == "durable":
+            reason, kind = "RecoveredFromDurable", "Warning"
+            message = (
+                f"replaced pod(s) {names}; the memory tier could not cover every rank (a pod "
+                f"and the holder of its replica both lost?): the ranks restored {where} of "
+                "the durable tier, and the steps since are lost"
+            )
+        else:
+            reason, kind = "Recovered", "Normal"
+            message = (
+                f"replaced pod(s) {names}, kept {', '.join(recovery.get('kept') or [])}; "
+                f"the ranks restored {where} of the {tier or 'unknown'} tier in {seconds:.1f}s"
+            )
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        fields: dict[str, Any] = {
+            "recovery": None,
+            "message": message,
+            "trainerRestarts": {p.name: p.trainer_restarts for p in t.current.values()},
+            "lastRecovery": {
+                **dict(recovery), "finishedAt": iso(now), "seconds": seconds,
+                "restoredStep": loaded, "tier": tier,
+            },
+        }  # fmt: skip
+        if loaded is not None:
+            fields["resumedFromStep"] = loaded
+            # The interruption this recovery began with (same attempt): it resumed here.
+            fixed = economics.resume_corrected(
+                raw.get("interruptions") or [], attempt=status.attempt + 1, loaded=loaded
+            )
+            if fixed is not None:
+                history, delta = fixed
+                history[-1]["restartSeconds"] = seconds
+                fields["interruptions"] = history
+                fields["stepsLost"] = max(0, int(raw.get("stepsLost") or 0) + delta)
+        await self._patch(t, t.patch().condition("Recovering", False, reason, message).set(fields))
+        t.status = replace(t.status, resumed_from_step=loaded)
+        self._metrics.restart_seconds.labels(spec.namespace, spec.name).observe(seconds)
+        await self._event(t.job, kind, reason, message)
+
+    async def _crashed_in_place(self, t: Tick) -> bool:
+        """A trainer the kubelet restarted in place outside a recovery: a crash, counted as a
+        failure (a new attempt, as without the memory tier) once no recovery has explained it
+        within :func:`lifecycle.restart_grace_seconds` (a survivor's trainer restarts before
+        its peer's node looks lost). Returns True when it restarted the job."""
+        accounted: Mapping[str, Any] = (t.job.get("status") or {}).get("trainerRestarts") or {}
+        crashed = restarted(t.current.values(), accounted)
+        memory = t.memory
+        if not crashed:
+            memory.restart_seen_at = None
+            return False
+        if memory.restart_seen_at is None:
+            memory.restart_seen_at = t.now
+        grace = lifecycle.restart_grace_seconds(self._config.node_lost_seconds)
+        if (t.now - memory.restart_seen_at).total_seconds() < grace:
+            return False
+        first = crashed[0]
+        detail = (
+            f"rank {first.rank}'s trainer (pod {first.name}) exited with code "
+            f"{first.trainer_last_exit} and was restarted in place "
+            f"{first.trainer_restarts} time(s) without a node loss"
+        )
+        memory.restart_seen_at = None
+        await self._restart(
+            t, kind="failure", resume_step=t.status.resume_step, detail=detail,
+            cause=economics.Cause(source="failure"),
+        )  # fmt: skip
+        return True
 
     # ----------------------------------------------------------------- notices
 
@@ -791,6 +1028,8 @@ class Reconciler:
         if outcome is Outcome.SUCCEEDED:
             await self._succeed(t)
         elif outcome in (Outcome.FAILED, Outcome.NODE_LOST):
+            if await self._begin_recovery(t, detail):
+                return
             lost = tuple(sorted({v.node for v in t.views if v.node_lost and v.node}))
             source = "node-lost" if outcome is Outcome.NODE_LOST else "failure"
             await self._restart(

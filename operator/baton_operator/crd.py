@@ -624,6 +624,32 @@ def _status_schema() -> dict[str, Any]:
                 "description": "Nodes with a notice; new attempts are kept off them.",
             },
             "notice": notice,
+            "recovery": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "description": (
+                    "The recovery that keeps the survivors, while it runs (memory tier; "
+                    "docs/operator.md): startedAt, replaced (rank, pod, uid, node), kept "
+                    "(pod names), nodes (lost)."
+                ),
+            },
+            "lastRecovery": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "description": (
+                    "The last finished recovery that kept the survivors: startedAt, "
+                    "finishedAt, seconds, replaced, kept, nodes, restoredStep, tier "
+                    "(memory, or durable when the memory tier could not cover every rank)."
+                ),
+            },
+            "trainerRestarts": {
+                "type": "object",
+                "additionalProperties": {"type": "integer"},
+                "description": (
+                    "Pod name -> in-place trainer restarts already explained (by a "
+                    "recovery); any more are counted as crashes."
+                ),
+            },
             "interruptions": {
                 "type": "array",
                 "items": interruption,

@@ -200,6 +200,24 @@ class Creator:
                 return
         await self._writer.patch(t, t.patch().set({"masterAddr": rank0.ip}))
 
+    async def replace_pod(self, t: Tick, status: JobStatus, *, rank: int, replicas: int) -> None:
+        """Create ``rank``'s pod again under its own name, in the same attempt: a recovery
+        that keeps the survivors (controller.py) replaces a pod lost with its node.
+
+        The same name keeps its DNS name, which the other ranks reach rank 0 by
+        (``masterAddr`` on the gang path) and the sidecars reach their peers by; the lost
+        nodes are in ``avoidNodes``. No ``schedulingGroup``: the attempt's gang was admitted
+        already and the survivors are bound, so the replacement is scheduled on its own.
+        """
+        spec = t.spec
+        every = await self._interval(t, status) if spec.auto_interval else None
+        body = manifests.pod_manifest(
+            spec, self._config, attempt=status.attempt, rank=rank, replicas=replicas,
+            master_addr=status.master_addr, resume_step=status.resumed_from_step,
+            avoid_nodes=list(status.avoid_nodes), every_seconds=every,
+        )  # fmt: skip
+        await self._create(t, status, kind="pod", body=body)
+
     async def refuse(self, t: Tick, refused: Sequence[podpolicy.Refusal]) -> None:
         """The template asks for what the pod policy forbids: fail the job, naming the fields."""
         await self.reject(t, "PodTemplateRefused", podpolicy.summary(refused))

@@ -36,10 +36,14 @@ from .vocabulary import SaveState
 
 __all__ = [
     "ALLOWED",
+    "NODE_NOT_READY_SECONDS",
+    "RECOVERY_RESTARTS",
+    "RECOVERY_SECONDS",
     "SUSPEND_SOURCE",
     "Outcome",
     "Phase",
     "RankView",
+    "RecoveryPlan",
     "RestartPlan",
     "Verdict",
     "VerdictKind",
@@ -50,7 +54,9 @@ __all__ = [
     "classify",
     "elastic_replicas",
     "moves_at_once",
+    "plan_recovery",
     "plan_restart",
+    "restart_grace_seconds",
 ]
 
 
@@ -432,3 +438,72 @@ def plan_restart(
         message=f"restarting ({kind}: {detail}) {resume}{wait}",
         exhausted=False,
     )
+
+
+RECOVERY_SECONDS: Final = 600.0
+"""How long a recovery that keeps the survivors may take (from the decision to every rank
+reporting its restore) before the operator gives up on it and starts a new attempt, as
+without the memory tier. Generous: the replacement pod must be scheduled and started and
+every rank must restore; a stuck recovery is what it bounds."""
+RECOVERY_RESTARTS: Final = 3
+"""In-place restarts of one pod's trainer that a recovery excuses (the broken process group,
+then perhaps a rendezvous that timed out while the replacement started). More is a crash
+loop: the operator counts a failure and starts a new attempt."""
+NODE_NOT_READY_SECONDS: Final = 60.0
+"""An upper bound of Kubernetes' node-monitor grace period (50 s by default since 1.32): how
+long a node that died without notice may still look Ready."""
+
+
+def restart_grace_seconds(node_lost_seconds: float) -> float:
+    """How long an in-place trainer restart outside a recovery waits before it is counted as
+    a crash: a survivor's trainer restarts within a second of its peer's loss (the process
+    group breaks), while the node only looks lost after the node-monitor grace period and
+    ``node_lost_seconds``. A restart that a recovery follows within this time is part of it."""
+    return float(node_lost_seconds) + NODE_NOT_READY_SECONDS
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPlan:
+    """Which ranks' pods a recovery that keeps the survivors replaces, and which it keeps."""
+
+    replace: tuple[int, ...]
+    keep: tuple[int, ...]
+    nodes: tuple[str, ...]
+    """The lost nodes (the replacements avoid them)."""
+
+
+def plan_recovery(
+    ranks: Sequence[RankView], *, memory_tier: bool, master_is_name: bool
+) -> tuple[RecoveryPlan | None, str]:
+    """Whether a loss without notice can be recovered by replacing only the lost pods.
+
+    The lost ranks are those whose node is lost or whose pod is gone. Returns the plan, or
+    None and the reason the job restarts as a new attempt instead (the durable path): no
+    memory tier, nothing lost, nothing left to keep, a rank that exited (a crash or the end of
+    training is not a loss), a pod being deleted or given notice, or rank 0 lost while the
+    ranks reach it at its pod IP (``masterAddr`` without gang scheduling), which a
+    replacement cannot keep.
+    """
+    if not memory_tier:
+        return None, "the job has no memory tier (spec.checkpoint.fastEverySteps)"
+    ordered = sorted(ranks, key=lambda r: r.rank)
+    lost = [r for r in ordered if not r.exists or (r.node_lost and r.exit_code is None)]
+    keep = [r for r in ordered if r not in lost]
+    if not lost:
+        return None, "no pod was lost"
+    if not keep:
+        return None, "every pod was lost: there is no survivor to keep"
+    for r in keep:
+        if r.exit_code is not None:
+            return None, f"rank {r.rank} (pod {r.pod}) exited with code {r.exit_code}"
+        if r.disrupted:
+            return None, f"rank {r.rank}'s pod {r.pod} is being deleted or was given notice"
+    if any(r.rank == 0 for r in lost) and not master_is_name:
+        return None, (
+            "rank 0's pod was lost and the ranks reach it at its pod IP; a replacement gets "
+            "another (gang scheduling gives the ranks rank 0's DNS name instead)"
+        )
+    nodes = tuple(sorted({r.node for r in lost if r.node and r.node_lost}))
+    return RecoveryPlan(
+        replace=tuple(r.rank for r in lost), keep=tuple(r.rank for r in keep), nodes=nodes
+    ), ""

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from . import crd
 from .model import JobSpec
-from .settings import OperatorConfig
+from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 
 __all__ = [
     "ATTEMPT_LABEL",
@@ -609,6 +609,20 @@ def pod_manifest(
     pod_spec["tolerations"] = tolerations
     # The operator decides what happens after a rank exits; a kubelet restart would hide it.
     pod_spec["restartPolicy"] = "Never"
+    if spec.fast is not None:
+        # The memory tier's recovery keeps the survivors' pods (their sidecar and memory):
+        # a trainer whose process group broke (a peer's node was lost) exits non-zero and
+        # the kubelet restarts it in place (Kubernetes 1.35+ container restart rules, beta
+        # and on by default). Success and the emergency exit after a notice save stay final:
+        # those the operator decides on. The operator tells a crash from a recovery's restart
+        # by the restart count (controller.py, docs/operator.md).
+        trainer["restartPolicy"] = "Never"
+        trainer["restartPolicyRules"] = [
+            {
+                "action": "Restart",
+                "exitCodes": {"operator": "NotIn", "values": [0, EMERGENCY_EXIT_CODE]},
+            }
+        ]
     pod_spec["enableServiceLinks"] = False
     pod_spec.setdefault("automountServiceAccountToken", False)
     pod_spec.setdefault("hostname", pod_name(spec.name, attempt, rank))

@@ -19,7 +19,14 @@ from .lifecycle import RankView
 from .nodes import ClusterView
 from .notices import Graces, Notice, earliest, pod_notice
 
-__all__ = ["PodView", "delete_grace", "notice_for", "noticed_nodes", "rank_view"]
+__all__ = [
+    "PodView",
+    "delete_grace",
+    "notice_for",
+    "noticed_nodes",
+    "rank_view",
+    "restarted",
+]
 
 _FINISHED = ("Succeeded", "Failed")
 
@@ -36,6 +43,8 @@ class PodView:
     """The parts of a pod the operator reads (``body`` is kept for the notice parsers)."""
 
     name: str
+    uid: str
+    """``metadata.uid``: tells a pod replaced under the same name from the one it replaced."""
     rank: int
     """From the rank label; -1 when it is missing or not a number."""
     attempt: int
@@ -47,7 +56,13 @@ class PodView:
     """The pod has a ``deletionTimestamp``."""
     trainer_running: bool
     trainer_exit_code: int | None
-    """The trainer container's exit code once it terminated."""
+    """The trainer container's exit code once it terminated (for good: a container that the
+    kubelet restarts in place shows ``waiting``, its exit in ``lastState``)."""
+    trainer_restarts: int
+    """The trainer container's ``restartCount``: in-place restarts by the kubelet (the
+    memory tier's restart rules, manifests.py)."""
+    trainer_last_exit: int | None
+    """The exit code of the trainer's previous run (``lastState.terminated``), if any."""
     unschedulable: bool
     """``PodScheduled`` is False for reason Unschedulable."""
     body: Mapping[str, Any]
@@ -64,7 +79,7 @@ class PodView:
         spec: Mapping[str, Any] = pod.get("spec") or {}
         status: Mapping[str, Any] = pod.get("status") or {}
         labels: Mapping[str, Any] = meta.get("labels") or {}
-        running, exit_code = False, None
+        running, exit_code, restarts, last_exit = False, None, 0, None
         for cs in status.get("containerStatuses") or []:
             if cs.get("name") != manifests.TRAINER_NAME:
                 continue
@@ -73,6 +88,10 @@ class PodView:
                 exit_code = int(state["terminated"].get("exitCode", 1))
             else:
                 running = "running" in state
+            restarts = int(cs.get("restartCount") or 0)
+            last = (cs.get("lastState") or {}).get("terminated")
+            if last is not None:
+                last_exit = int(last.get("exitCode", 1))
             break
         unschedulable = any(
             c.get("type") == "PodScheduled"
@@ -82,6 +101,7 @@ class PodView:
         )
         return cls(
             name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
             rank=_label_int(labels, manifests.RANK_LABEL),
             attempt=_label_int(labels, manifests.ATTEMPT_LABEL),
             node=spec.get("nodeName") or None,
@@ -90,6 +110,8 @@ class PodView:
             deleting=bool(meta.get("deletionTimestamp")),
             trainer_running=running,
             trainer_exit_code=exit_code,
+            trainer_restarts=restarts,
+            trainer_last_exit=last_exit,
             unschedulable=unschedulable,
             body=pod,
         )
@@ -177,3 +199,22 @@ def rank_view(
         served_notice=served_notice,
         committed_notice=committed_notice,
     )
+
+
+def restarted(pods: Iterable[PodView], accounted: Mapping[str, Any]) -> list[PodView]:
+    """The pods whose trainer the kubelet restarted in place more often than ``accounted``
+    (``status.trainerRestarts``: pod name -> the restarts already explained), by rank.
+
+    Only memory-tier pods restart in place (their trainer's restart rules); an in-place
+    restart is either part of a recovery (a peer's node was lost: the process group broke)
+    or a crash, which the controller counts as a failure.
+    """
+    out = []
+    for pod in pods:
+        try:
+            known = int(accounted.get(pod.name) or 0)
+        except (TypeError, ValueError):
+            known = 0
+        if pod.trainer_restarts > known:
+            out.append(pod)
+    return sorted(out, key=lambda p: p.rank)

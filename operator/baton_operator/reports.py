@@ -44,6 +44,8 @@ class SidecarStatus:
     """The newest step this rank knows committed (periodic saves included)."""
     restored_step: int | None = None
     """The step this rank's trainer restored at start-up (SDKs before it: None)."""
+    restored_tier: str | None = None
+    """Where ``restored_step`` came from: ``memory`` or ``durable`` (SDKs before it: None)."""
     train_step: int | None = None
     """The last training step the rank's loop finished, as of ``heartbeat``."""
     step_seconds: float | None = None
@@ -71,6 +73,7 @@ class SidecarStatus:
             trigger=raw.get("trigger"),
             last_committed_step=opt_int("last_committed_step"),
             restored_step=opt_int("restored_step"),
+            restored_tier=raw.get("restored_tier"),
             train_step=opt_int("train_step"),
             step_seconds=None if step_seconds is None else float(step_seconds),
             heartbeat=parse_time(raw.get("heartbeat")),

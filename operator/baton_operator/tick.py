@@ -42,6 +42,10 @@ class JobMemory:
     written_version: str | None = None
     """The resourceVersion this daemon's last status write returned: a tick reads the job
     from the watch cache only once the cache holds this version or a newer one."""
+    restart_seen_at: datetime | None = None
+    """When a trainer restarted in place was first seen unexplained (no recovery open): it
+    counts as a crash once no recovery explained it for a while (controller.py). Lost with
+    the daemon, which only delays that count."""
     synced_at: datetime | None = None
     """When the job and its pods were last read through the API rather than the watch cache
     (the daemon's first tick, every resync period, and after a lost write race)."""

@@ -1,0 +1,122 @@
+"""A node lost without notice, with the memory tier on: only the lost pod is replaced.
+
+A 2-pod job snapshots every step into its pods' memory (``fastEverySteps: 1``) and each pod's
+sidecar copies its snapshot to the other pod; there is no durable save at all during the run
+(``everySteps`` beyond its last step), so whatever the ranks resume from came from memory.
+The node of one rank is killed (no notice, its processes gone at once). The operator
+replaces only that pod, under the same name and in the same attempt; the survivor's pod (same
+UID) keeps its sidecar and memory, and its trainer, whose process group broke, is restarted in
+place by the kubelet (the trainer's container restart rules). Every rank restores the newest
+snapshot every rank can load (the replacement's from the survivor's replica), the status
+and Events say so, and the job ends bitwise equal to an uninterrupted run. Killing rank 0's
+node also checks the rendezvous: the ranks reach rank 0 by its DNS name, which follows the
+replacement.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from baton_testing import trainer
+from baton_testing.operator_harness import Baton, unique
+
+pytestmark = pytest.mark.cluster
+
+SHARED_OPERATOR = True
+
+STEPS = 40
+REPLICAS = 2
+NO_DURABLE = 1000
+"""``everySteps`` past the last step: no durable save before the job's end."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
+    """The same training run as local processes, never interrupted (once per module)."""
+    return trainer.reference(
+        tmp_path_factory.mktemp("reference"),
+        REPLICAS,
+        ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)],
+    )
+
+
+def _trainer_status(pod: dict[str, Any]) -> dict[str, Any]:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs["name"] == "trainer":
+            return dict(cs)
+    raise AssertionError(f"pod {pod['metadata']['name']} has no trainer status")
+
+
+def _pods_by_rank(baton: Baton, job: str) -> dict[int, dict[str, Any]]:
+    return {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}
+
+
+@pytest.mark.parametrize("lost_rank", [1, 0])
+def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(
+    baton: Baton, uninterrupted: tuple[dict[str, Any], Any], lost_rank: int
+) -> None:
+    ref_result, ref_logs = uninterrupted
+    baton.cluster.add_node()
+    job = unique(f"tj-recover{lost_rank}")
+    out = baton.workdir / job
+    manifest = baton.job_manifest(
+        job, steps=STEPS, every_steps=NO_DURABLE, sleep=0.3, replicas=REPLICAS,
+        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
+    )  # fmt: skip
+    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
+    # The survivor's restarted trainer waits in the rendezvous for the replacement, which
+    # starts only after the node looks lost: give the process group time.
+    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
+    applied = baton.apply(manifest)
+    assert applied.returncode == 0, applied.stderr
+    baton.wait_phase(job, "Running", timeout=180)
+    baton.wait_steps(job, 8)
+    before = _pods_by_rank(baton, job)
+    survivor = 1 - lost_rank
+    kept_uid = before[survivor]["metadata"]["uid"]
+    lost_uid = before[lost_rank]["metadata"]["uid"]
+    trained = len((out / "loss.log").read_text().splitlines())
+    baton.cluster.kill_node(before[lost_rank]["spec"]["nodeName"])
+
+    recovered = baton.wait_for(
+        job, lambda s: bool(s.get("lastRecovery")), timeout=180,
+        what="the recovery to end",
+    )  # fmt: skip
+    diag = baton.diagnostics(job)
+    last = recovered["lastRecovery"]
+    assert last["tier"] == "memory", diag
+    # No durable save ran: the step came from memory, at most a snapshot or two behind.
+    assert last["restoredStep"] >= trained - 2, diag
+    assert [e["rank"] for e in last["replaced"]] == [lost_rank], diag
+    assert last["kept"] == [f"{job}-a0-r{survivor}"], diag
+    assert (recovered["attempt"], recovered["failures"]) == (0, 1), diag
+    assert recovered["resumedFromStep"] == last["restoredStep"], diag
+    entry = recovered["interruptions"][-1]
+    assert (entry["source"], entry["attempt"]) == ("node-lost", 0), diag
+    assert entry["resumeStep"] == last["restoredStep"], diag
+    events = baton.events(job)
+    assert any(e.startswith("Recovering: ") for e in events), diag
+    assert any(e.startswith("Recovered: ") and "memory tier" in e for e in events), diag
+
+    after = _pods_by_rank(baton, job)
+    assert after[survivor]["metadata"]["uid"] == kept_uid, "the survivor's pod was replaced"
+    assert _trainer_status(after[survivor])["restartCount"] >= 1, diag
+    assert after[lost_rank]["metadata"]["uid"] != lost_uid, diag
+    assert after[lost_rank]["metadata"]["name"] == f"{job}-a0-r{lost_rank}", diag
+
+    final = baton.wait_phase(job, "Succeeded", timeout=240)
+    diag = baton.diagnostics(job)
+    assert (final["attempt"], final["failures"], final["preemptions"]) == (0, 1, 0), diag
+    got = trainer.loss_logs(out, REPLICAS)
+    for rank in range(REPLICAS):
+        assert sorted(got.get(rank, {})) == list(range(1, STEPS + 1)), f"rank {rank}{diag}"
+        for s, losses in got[rank].items():
+            # Steps after the snapshot ran twice (the survivor's); each time bitwise the same.
+            assert set(losses) == {ref_logs[rank][s][0]}, f"rank {rank} step {s}: {losses}"
+    result = json.loads((out / "result.json").read_text())
+    for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
+        assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
+    baton.delete(job)
