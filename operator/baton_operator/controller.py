@@ -566,6 +566,13 @@ class Reconciler:
         started = parse_time(recovery.get("startedAt")) or now
         replaced = {int(e["rank"]): e for e in recovery.get("replaced") or []}
         replicas = status.replicas_or(spec.replicas)
+        more = [
+            v for v in t.views
+            if v.rank not in replaced and (not v.exists or (v.node_lost and v.exit_code is None))
+        ]  # fmt: skip
+        if more and len(replaced) + len(more) < replicas:
+            await self._extend_recovery(t, recovery, more)
+            return
         for rank, entry in sorted(replaced.items()):
             pod = t.current.get(rank)
             if pod is not None and entry.get("uid") and pod.uid == entry["uid"]:
@@ -611,6 +618,49 @@ class Reconciler:
         if len(restored) < replicas or len(t.current) < replicas:
             return
         await self._end_recovery(t, recovery, started, restored)
+
+    async def _extend_recovery(
+        self, t: Tick, recovery: Mapping[str, Any], more: Sequence[RankView]
+    ) -> None:
+        """More pods were lost before the recovery ended (nodes seldom die one at a time, and
+        each is seen lost on its own): they are replaced by the same recovery, which was
+        counted once, while a survivor remains; the restore has not ended (it needs every
+        rank), so it simply waits for these too."""
+        spec, status = t.spec, t.status
+        added: list[dict[str, Any]] = []
+        for v in sorted(more, key=lambda v: v.rank):
+            pod = t.current.get(v.rank)
+            added.append(
+                {"rank": v.rank, "pod": manifests.pod_name(spec.name, status.attempt, v.rank),
+                 "uid": pod.uid if pod else "", "node": pod.node if pod else None}
+            )  # fmt: skip
+        gone = {e["pod"] for e in added}
+        nodes = sorted(
+            set(recovery.get("nodes") or []) | {str(e["node"]) for e in added if e["node"]}
+        )
+        replaced = [*(recovery.get("replaced") or []), *added]
+        kept = [k for k in recovery.get("kept") or [] if k not in gone]
+        message = (
+            f"also lost: pod(s) {', '.join(sorted(gone))}; replacing "
+            f"{', '.join(str(e['pod']) for e in replaced)}, keeping {', '.join(kept)}"
+        )
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        fields: dict[str, Any] = {
+            "recovery": {**dict(recovery), "replaced": replaced, "kept": kept, "nodes": nodes},
+            "avoidNodes": sorted(set(status.avoid_nodes) | set(nodes)),
+            "message": message,
+        }
+        history = [dict(e) for e in raw.get("interruptions") or []]
+        if history and int(history[-1].get("attempt", -1)) == status.attempt:
+            history[-1]["nodes"] = nodes
+            fields["interruptions"] = history
+        await self._patch(
+            t, t.patch().condition("Recovering", True, "PodsLost", message).set(fields)
+        )
+        await self._event(t.job, "Warning", "Recovering", message)
+        for entry in added:
+            if entry["uid"]:
+                await self._kube.delete_pod(spec.namespace, entry["pod"], grace_seconds=0)
 
     async def _end_recovery(
         self,

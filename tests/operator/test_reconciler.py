@@ -1703,3 +1703,28 @@ def test_without_the_memory_tier_a_lost_node_still_starts_a_new_attempt() -> Non
     status = h.kube.status
     assert (status["phase"], status["attempt"], status["failures"]) == ("Restarting", 1, 1)
     assert "recovery" not in status
+
+
+def test_a_second_node_lost_during_a_recovery_joins_it_while_a_survivor_remains() -> None:
+    h = Harness(maxFailures=2)
+    _memory_tier(h)
+    h.running()
+    h.node("n1", ready=False, for_seconds=h.config.node_lost_seconds + 1)
+    h.tick()
+    h.node("n2", ready=False, for_seconds=h.config.node_lost_seconds + 1)
+    h.tick()
+    status = h.kube.status
+    recovery = status["recovery"]
+    assert [e["rank"] for e in recovery["replaced"]] == [1, 2]
+    assert (recovery["kept"], recovery["nodes"]) == ([h.pod(0, 0)], ["n1", "n2"])
+    assert (status["attempt"], status["failures"]) == (0, 1), "one recovery, counted once"
+    assert status["interruptions"][-1]["nodes"] == ["n1", "n2"]
+    assert (h.pod(0, 2), 0) in h.kube.deleted
+    h.tick()
+    assert h.kube.created.count(h.pod(0, 1)) == h.kube.created.count(h.pod(0, 2)) == 2
+    # The last survivor lost too: nothing is left to keep, a new attempt.
+    h.node("n0", ready=False, for_seconds=h.config.node_lost_seconds + 1)
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["attempt"], status["failures"]) == ("Restarting", 1, 2)
+    assert "recovery" not in status
