@@ -120,3 +120,56 @@ def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(
     for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
         assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
     baton.delete(job)
+
+
+def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(baton: Baton) -> None:
+    # Three pods; each sidecar copies its pod's snapshot to the next pod (ring order), so rank
+    # 1's snapshot lives in pods 1 and 2 only. Both their nodes are killed: the memory tier
+    # cannot cover rank 1, the ranks restore the last durable step, and status and Events say
+    # so. (Three gloo ranks are not bitwise repeatable across a resume; docs/operator.md,
+    # "Determinism at scale": this test checks the tiers and the steps, not the bits.)
+    replicas, steps, every = 3, 30, 5
+    baton.cluster.add_node()
+    baton.cluster.add_node()
+    job = unique("tj-durable")
+    manifest = baton.job_manifest(
+        job, steps=steps, every_steps=every, sleep=0.3, replicas=replicas,
+        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
+    )  # fmt: skip
+    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
+    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
+    applied = baton.apply(manifest)
+    assert applied.returncode == 0, applied.stderr
+    baton.wait_phase(job, "Running", timeout=180)
+    baton.wait_for(
+        job, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= every, timeout=120,
+        what="a durable checkpoint",
+    )  # fmt: skip
+    baton.wait_steps(job, 2 * every + 2)
+    before = _pods_by_rank(baton, job)
+    for rank in (1, 2):
+        baton.cluster.kill_node(before[rank]["spec"]["nodeName"])
+
+    recovered = baton.wait_for(
+        job, lambda s: bool(s.get("lastRecovery")), timeout=180, what="the recovery to end"
+    )
+    diag = baton.diagnostics(job)
+    last = recovered["lastRecovery"]
+    assert last["tier"] == "durable", diag
+    assert last["restoredStep"] % every == 0, diag
+    assert last["restoredStep"] >= every, diag
+    assert sorted(e["rank"] for e in last["replaced"]) == [1, 2], diag
+    assert last["kept"] == [f"{job}-a0-r0"], diag
+    assert (recovered["attempt"], recovered["failures"]) == (0, 1), diag
+    assert any(
+        e.startswith("RecoveredFromDurable: ") and "durable tier" in e for e in baton.events(job)
+    ), diag
+    conditions = {c["type"]: c for c in recovered["conditions"]}
+    assert conditions["Recovering"]["reason"] == "RecoveredFromDurable", diag
+    assert _pods_by_rank(baton, job)[0]["metadata"]["uid"] == before[0]["metadata"]["uid"]
+
+    final = baton.wait_phase(job, "Succeeded", timeout=240)
+    assert (final["attempt"], final["failures"]) == (0, 1), baton.diagnostics(job)
+    assert sorted(set(baton.loss_steps(job))) == list(range(1, steps + 1)), "a step never ran"
+    baton.delete(job)
