@@ -363,6 +363,7 @@ func (a *agent) killAll(sigtermFirst time.Duration) {
 	}
 	for _, w := range workers {
 		w.waitAllExited(5 * time.Second)
+		w.dropMemoryVolumes()
 	}
 	_ = a.listener.Close()
 }

@@ -523,6 +523,7 @@ func (w *podWorker) cleanup() {
 	// Volumes may hold secrets; logs stay under DIR/logs for post-mortems.
 	_ = os.RemoveAll(filepath.Join(w.dir, "volumes"))
 	_ = os.RemoveAll(filepath.Join(w.dir, "kubeconfigs"))
+	w.dropMemoryVolumes()
 }
 
 func backoff(restarts int32) time.Duration {

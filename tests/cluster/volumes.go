@@ -154,6 +154,30 @@ func (w *podWorker) downward(dir string, items []corev1.DownwardAPIVolumeFile, d
 	return nil
 }
 
+// memoryRoot holds the memory-backed emptyDirs (medium: Memory) of every pod on this machine:
+// the host's tmpfs, so their pages are memory as on a kubelet (which mounts a tmpfs per
+// volume). sizeLimit is not enforced here (README, "Limitations").
+const memoryRoot = "/dev/shm/localcluster"
+
+// memoryDir is where a pod's memory-backed emptyDirs live: under memoryRoot by pod UID (a pod
+// UID is unique across clusters); empty when the host has no writable /dev/shm, and then the
+// volume is an ordinary directory beside the others (logged).
+func (w *podWorker) memoryDir() string {
+	dir := filepath.Join(memoryRoot, string(w.uid))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		w.logf("no tmpfs for medium: Memory (%v): the emptyDir is on disk", err)
+		return ""
+	}
+	return dir
+}
+
+// dropMemoryVolumes frees the pod's memory-backed emptyDirs: when the pod is gone, and when
+// its node dies (a machine's memory does not outlive it; the pod's other files stay for
+// post-mortems).
+func (w *podWorker) dropMemoryVolumes() {
+	_ = os.RemoveAll(filepath.Join(memoryRoot, string(w.uid)))
+}
+
 func (w *podWorker) setup() error {
 	if err := os.MkdirAll(filepath.Join(w.dir, "volumes"), 0o755); err != nil {
 		return err
@@ -178,6 +202,12 @@ func (w *podWorker) setupVolumes(tokensOnly bool) error {
 		vs := v.VolumeSource
 		if tokensOnly && vs.Projected == nil {
 			continue
+		}
+		if vs.EmptyDir != nil && vs.EmptyDir.Medium == corev1.StorageMediumMemory {
+			if mem := w.memoryDir(); mem != "" {
+				dir = filepath.Join(mem, v.Name)
+				w.volDirs[v.Name] = dir
+			}
 		}
 		switch {
 		case vs.HostPath != nil:
