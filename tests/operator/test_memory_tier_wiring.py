@@ -248,3 +248,22 @@ def test_restricted_pod_security_still_holds() -> None:
     for v in p["spec"]["volumes"]:
         assert set(v) - {"name"} <= allowed, v
     assert container(p, "baton-sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_the_operator_fails_a_bad_tier_before_creating_anything_naming_the_fix() -> None:
+    # The backstop of the CRD's rules (an old CRD, a server without CEL): the reconciler over
+    # the fakes of test_reconciler.py, with fastSizeLimit missing.
+    from .test_reconciler import Harness
+
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1})
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Failed"
+    failed = h.kube.condition("Failed")
+    assert failed["reason"] == "InvalidSpec"
+    assert failed["message"].startswith("spec.checkpoint.fastSizeLimit is required")
+    assert "e.g. 4Gi" in status["message"]
+    assert [(kind, reason) for kind, reason, _ in h.events] == [("Warning", "InvalidSpec")]
+    assert h.kube.created == [], "nothing is created for a spec that cannot run"
+    assert h.tick() is None, "a failed job's daemon stops"
