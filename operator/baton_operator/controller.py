@@ -43,6 +43,7 @@ from .model import JobSpec, LastCheckpoint
 from .nodes import ClusterView
 from .notices import Notice, parse_time
 from .pods import PodView, delete_grace, notice_for, noticed_nodes, rank_view, restarted
+from .replicating import PeerWiring
 from .reports import SidecarStatus
 from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient
@@ -134,6 +135,8 @@ class Reconciler:
         self._creator = Creator(
             kube=kube, config=config, token_for=token_for, writer=writer, pools=self._pools
         )
+        self._peers = PeerWiring(sidecars=sidecars, cluster=cluster, config=config)
+        """What each memory-tier job's sidecars were told of their peers (replicating.py)."""
         self._suspender = Suspender(
             config=config, metrics=metrics, writer=writer, creator=self._creator,
             restart=self._restart, hint=self._hint, delete_pods=self._delete_pods,
@@ -147,6 +150,7 @@ class Reconciler:
             self._cache.forget_job(namespace, name)
         self._pools.forget((namespace, name))
         self._cost_written.pop((namespace, name), None)
+        self._peers.forget(namespace, name)
 
     # ----------------------------------------------------------------- entry point
 
@@ -302,6 +306,7 @@ class Reconciler:
             # once, not a quarter second later (a notice's seconds are the scarce ones).
             return 0.0
         await self._progress(t)
+        await self._peers.sync(t, replicas=replicas)
         outcome, detail = lifecycle.classify(t.views, replicas)
         if outcome is Outcome.FAILED and any(
             v.exit_code not in (None, 0, EMERGENCY_EXIT_CODE) and not v.committed_notice

@@ -51,6 +51,8 @@ __all__ = [
     "kueue_group",
     "master_dns_name",
     "owner_reference",
+    "peer_ring",
+    "peers_update",
     "pod_group_manifest",
     "pod_group_name",
     "pod_labels",
@@ -359,6 +361,59 @@ def replication_peers(
     another node, and the operator sets the domains once the pods are placed."""
     order = [(rank + k) % replicas for k in range(1, replicas)]
     return [{"address": sidecar_address(spec, config, attempt, r), "domain": ""} for r in order]
+
+
+def _interleave(groups: Iterable[list[int]]) -> list[int]:
+    """Round-robin over ``groups`` (largest first), so neighbours come from different groups
+    wherever the sizes allow."""
+    ordered = sorted(groups, key=lambda g: (-len(g), g))
+    out: list[int] = []
+    for i in range(max((len(g) for g in ordered), default=0)):
+        out.extend(g[i] for g in ordered if i < len(g))
+    return out
+
+
+def peer_ring(placed: Mapping[int, tuple[str | None, str | None]]) -> list[int]:
+    """The ranks in replication ring order, from each rank's ``(zone, pool)``: zones
+    interleaved, and pools within a zone, so that a rank's successors (its replica targets)
+    are in another zone, else another pool, wherever the job's placement allows (spot
+    capacity is reclaimed per pool, and a zone can fail as one). Unlabelled nodes form one
+    group; without labels the ring is rank order."""
+    zones: dict[str | None, dict[str | None, list[int]]] = {}
+    for rank in sorted(placed):
+        zone, pool = placed[rank]
+        zones.setdefault(zone, {}).setdefault(pool, []).append(rank)
+    return _interleave(_interleave(pools.values()) for pools in zones.values())
+
+
+def peers_update(
+    spec: JobSpec,
+    config: OperatorConfig,
+    *,
+    attempt: int,
+    placed: Mapping[int, tuple[str, str | None, str | None]],
+) -> dict[int, dict[str, Any]]:
+    """The body of ``PUT /v1/replication/peers`` for each rank's sidecar once every pod of
+    the attempt is placed: ``placed`` maps each rank to its ``(node, zone, pool)``.
+
+    Each rank's peers are the ring (:func:`peer_ring`) after it, with their nodes as failure
+    domains (the sidecar's own ``BATON_FAILURE_DOMAIN``), so every pod still receives as many
+    copies as it sends.
+    """
+    if spec.fast is None or len(placed) < 2:
+        return {}
+    ring = peer_ring({rank: (zone, pool) for rank, (_, zone, pool) in placed.items()})
+    n = len(ring)
+    copies = min(spec.fast.replicas, n - 1)
+    out: dict[int, dict[str, Any]] = {}
+    for i, rank in enumerate(ring):
+        after = [ring[(i + k) % n] for k in range(1, n)]
+        peers = [
+            {"address": sidecar_address(spec, config, attempt, r), "domain": placed[r][0]}
+            for r in after
+        ]
+        out[rank] = {"peers": peers, "replicas": copies}
+    return out
 
 
 def _mi(n: int) -> str:

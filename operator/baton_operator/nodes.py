@@ -14,7 +14,10 @@ from typing import Any, Final
 from .notices import Notice, node_notices, parse_time
 from .settings import OperatorConfig
 
-__all__ = ["POOL_LABELS", "ClusterView", "node_pool"]
+__all__ = ["POOL_LABELS", "ZONE_LABEL", "ClusterView", "node_pool"]
+
+ZONE_LABEL: Final = "topology.kubernetes.io/zone"
+"""A node's zone (the well-known label every cloud's nodes carry)."""
 
 POOL_LABELS: Final = (
     "karpenter.sh/nodepool",
@@ -54,6 +57,8 @@ class ClusterView:
     deleted: set[str] = field(default_factory=set)
     pools: dict[str, str] = field(default_factory=dict)
     """Each labelled node's pool (:func:`node_pool`)."""
+    zones: dict[str, str] = field(default_factory=dict)
+    """Each labelled node's zone (:data:`ZONE_LABEL`)."""
 
     def update_node(self, body: Mapping[str, Any], *, now: datetime) -> list[Notice]:
         """Record a Node; return the notices that are new on it (for Events and metrics)."""
@@ -64,6 +69,11 @@ class ClusterView:
             self.pools.pop(name, None)
         else:
             self.pools[name] = pool
+        zone = (meta.get("labels") or {}).get(ZONE_LABEL)
+        if zone:
+            self.zones[name] = str(zone)
+        else:
+            self.zones.pop(name, None)
         ready = False
         since: datetime | None = None
         for cond in (body.get("status") or {}).get("conditions") or []:
@@ -85,6 +95,7 @@ class ClusterView:
         """A Node object was deleted: whatever ran there is lost."""
         self.nodes.pop(name, None)
         self.pools.pop(name, None)
+        self.zones.pop(name, None)
         self.deleted.add(name)
 
     def notices_on(self, node: str) -> list[Notice]:
@@ -107,6 +118,10 @@ class ClusterView:
         """The node's pool (``label=value``), or None when no :data:`POOL_LABELS` label names
         it (or the node is unknown)."""
         return self.pools.get(node or "")
+
+    def zone_of(self, node: str | None) -> str | None:
+        """The node's zone (:data:`ZONE_LABEL`), or None when unlabelled or unknown."""
+        return self.zones.get(node or "")
 
     def node_ready(self, node: str | None) -> bool:
         """Whether the node is known and Ready."""

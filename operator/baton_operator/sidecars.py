@@ -101,3 +101,8 @@ class SidecarClient:
     async def status(self, ip: str, token: str) -> SidecarStatus:
         """``GET /v1/status``."""
         return SidecarStatus.from_json(await self._call("GET", ip, "/v1/status", token, None))
+
+    async def set_peers(self, ip: str, token: str, body: dict[str, Any]) -> None:
+        """``PUT /v1/replication/peers`` (``{"peers": [...], "replicas": n}``): the memory
+        tier's replica targets of that pod's sidecar."""
+        await self._call("PUT", ip, "/v1/replication/peers", token, body)

@@ -2,7 +2,8 @@
 ``fastEverySteps: 1`` gets a ``medium: Memory`` emptyDir per pod (a directory on the host's
 tmpfs, removed with the pod), its trainers snapshot into it, and each pod's sidecar copies the
 snapshots to the other pod's sidecar, which it reaches by the DNS name the operator put in its
-peer list. Nothing is interrupted: the job ends bitwise equal to a run without the tier.
+peer list; once both pods are placed the operator tells each sidecar its peer's node. Nothing
+is interrupted: the job ends bitwise equal to a run without the tier.
 
 (The recovery that uses these snapshots is tests/operator/test_recovery_cluster.py.)
 """
@@ -85,6 +86,8 @@ def test_pods_snapshot_into_memory_and_replicate_to_the_other_node(
             peers = status["peers"]
             if not status.get("last_replicated_step") or not peers[0].get("last_step"):
                 return False
+            if peers[0]["domain"] != other["spec"]["nodeName"]:
+                return False  # the operator's PUT of the peers' nodes has not landed yet
             seen[rank] = {"status": status, "other": other["metadata"]["name"]}
         return True
 
@@ -95,7 +98,8 @@ def test_pods_snapshot_into_memory_and_replicate_to_the_other_node(
         assert status["fast_dir"].startswith(str(MEMORY_ROOT)), status
         assert status["domain"] == pods[rank]["spec"]["nodeName"], status
         assert status["replicas"] == 1, status
-        # The one peer is the other pod (on the other node), by its DNS name.
+        # The one peer is the other pod, by its DNS name, with its node as its domain (the
+        # operator's PUT /v1/replication/peers once both pods were placed).
         assert [p["address"].split("//")[1].split(".")[0] for p in status["peers"]] == [
             found["other"]
         ], status

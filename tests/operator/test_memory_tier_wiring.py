@@ -4,7 +4,9 @@ peers, and the sidecar's memory sized from ``fastSizeLimit`` and ``fastReplicas`
 
 from __future__ import annotations
 
+import itertools
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -267,3 +269,79 @@ def test_the_operator_fails_a_bad_tier_before_creating_anything_naming_the_fix()
     assert [(kind, reason) for kind, reason, _ in h.events] == [("Warning", "InvalidSpec")]
     assert h.kube.created == [], "nothing is created for a spec that cannot run"
     assert h.tick() is None, "a failed job's daemon stops"
+
+
+def test_the_ring_puts_successors_in_other_zones_then_other_pools() -> None:
+    # Two zones, a (4 ranks in two pools) and b (2 ranks). Each of b's ranks sits between two
+    # of a's (4 zone changes, the most 2 ranks in b allow), and zone a's pools alternate.
+    placed = {
+        0: ("a", "p1"), 1: ("a", "p1"), 2: ("a", "p2"), 3: ("b", "p3"), 4: ("b", "p3"),
+        5: ("a", "p2"),
+    }  # fmt: skip
+    ring = manifests.peer_ring(placed)
+    assert sorted(ring) == list(range(6))
+    zones = [placed[r][0] for r in ring]
+    assert sum(zones[i] != zones[(i + 1) % 6] for i in range(6)) == 4, ring
+    in_a = [placed[r][1] for r in ring if placed[r][0] == "a"]
+    assert all(x != y for x, y in itertools.pairwise(in_a)), ring
+    # Without labels the ring is rank order.
+    assert manifests.peer_ring(dict.fromkeys((2, 0, 1), (None, None))) == [0, 1, 2]
+
+
+def test_the_peers_update_names_each_peers_node_and_keeps_copies_balanced() -> None:
+    spec = JobSpec.from_body(job(4, **TIER, fastReplicas=2))
+    placed = {0: ("n0", "a", None), 1: ("n1", "a", None), 2: ("n2", "b", None),
+              3: ("n3", "b", None)}  # fmt: skip
+    bodies = manifests.peers_update(spec, CONFIG, attempt=1, placed=placed)
+    assert sorted(bodies) == [0, 1, 2, 3]
+    received = dict.fromkeys(range(4), 0)
+    for rank, body in bodies.items():
+        assert body["replicas"] == 2
+        peers = body["peers"]
+        assert len(peers) == 3
+        first = peers[0]["address"].split("//")[1].split(".")[0]
+        target = int(first.rsplit("-r", 1)[1])
+        assert placed[target][1] != placed[rank][1], "the first target is in the other zone"
+        for p in peers:
+            r = int(p["address"].split("//")[1].split(".")[0].rsplit("-r", 1)[1])
+            assert p["domain"] == f"n{r}"
+            assert p["address"] == manifests.sidecar_address(spec, CONFIG, 1, r)
+        for p in peers[:2]:
+            received[int(p["address"].split("//")[1].split(".")[0].rsplit("-r", 1)[1])] += 1
+    assert set(received.values()) == {2}, "every pod receives as many copies as it sends"
+    assert manifests.peers_update(JobSpec.from_body(job(4)), CONFIG, attempt=1, placed=placed) == {}
+
+
+def test_the_operator_sends_each_sidecar_its_peers_once_placed_and_again_only_on_change() -> None:
+    from .test_reconciler import Harness
+
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update(TIER)
+    fake = h.sidecars
+    fake.peers_down = {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
+    h.running()
+    assert fake.peer_puts == [], "nothing reaches a sidecar that does not answer"
+    for i, zone in enumerate(("a", "a", "b")):
+        h.cluster.update_node(
+            {"metadata": {"name": f"n{i}", "labels": {"topology.kubernetes.io/zone": zone}},
+             "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+            now=datetime.now(tz=UTC),
+        )  # fmt: skip
+    fake.peers_down = {"10.0.0.2"}  # rank 1's sidecar still does not answer
+    h.reconciler._peers._retry_at.clear()  # the retry delay passed
+    h.tick()
+    by_ip = dict(fake.peer_puts)
+    assert sorted(by_ip) == ["10.0.0.1", "10.0.0.3"], fake.peer_puts
+    # The ring: zone a's ranks 0 and 1 interleaved with zone b's rank 2: 0, 2, 1.
+    assert [p["domain"] for p in by_ip["10.0.0.1"]["peers"]] == ["n2", "n1"], by_ip
+    assert [p["domain"] for p in by_ip["10.0.0.3"]["peers"]] == ["n1", "n0"], by_ip
+    assert by_ip["10.0.0.1"]["replicas"] == 1
+    h.tick()
+    assert len(fake.peer_puts) == 2, "no PUT to a told sidecar, none before the retry delay"
+    fake.peers_down.clear()
+    h.reconciler._peers._retry_at.clear()
+    h.tick()
+    assert [ip for ip, _ in fake.peer_puts[2:]] == ["10.0.0.2"]
+    assert [p["domain"] for p in fake.peer_puts[2][1]["peers"]] == ["n0", "n2"]
+    h.tick()
+    assert len(fake.peer_puts) == 3, "nothing changed: nothing is sent"

@@ -192,6 +192,10 @@ class FakeSidecars:
     def __init__(self) -> None:
         self.reports: dict[str, SidecarStatus | None] = {}
         self.requests: list[tuple[str, datetime, str]] = []
+        self.peer_puts: list[tuple[str, dict[str, Any]]] = []
+        """``PUT /v1/replication/peers`` bodies by pod IP (the memory tier's peers)."""
+        self.peers_down: set[str] = set()
+        """Pod IPs whose sidecar does not answer that PUT."""
 
     async def status(self, ip: str, token: str) -> SidecarStatus:
         report = self.reports.get(ip)
@@ -204,6 +208,11 @@ class FakeSidecars:
     ) -> str:
         self.requests.append((ip, deadline, reason))
         return f"req-{ip}"
+
+    async def set_peers(self, ip: str, token: str, body: dict[str, Any]) -> None:
+        if ip in self.peers_down:
+            raise SidecarUnreachableError(f"sidecar at {ip} did not answer (test)")
+        self.peer_puts.append((ip, body))
 
 
 def job_body(**failure_policy: Any) -> dict[str, Any]:
