@@ -16,7 +16,10 @@ and it can be reasoned about with three numbers (settings.py):
   once: it never waits for its own dead predecessor.
 
 Every write is an update with the Lease's ``resourceVersion``: of two standbys racing for an
-expired Lease, one gets ``409 Conflict`` and stays standby. A stopping operator releases the
+expired Lease, one gets ``409 Conflict`` and stays standby. The active operator renews with one
+request, not two: it replaces the Lease guarded by the resourceVersion of its own last write
+(a conflict means someone else wrote: it then reads the Lease as a standby would). On an API
+server slowed by load, each renewal then waits for one answer within the renew deadline. A stopping operator releases the
 Lease (empty holder), so a rollout hands over without waiting for expiry.
 
 This is a client-layer module: it is the only code that touches Leases, and it declares its
@@ -118,26 +121,30 @@ class LeaseClient:
             metadata["resourceVersion"] = resource_version
         return {"apiVersion": f"{GROUP}/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
-    async def _write(self, doing: str, call: Callable[..., Any], *args: Any) -> bool:
-        """One create or guarded replace; False when another operator wrote first (409)."""
+    async def _write(
+        self, doing: str, call: Callable[..., Any], *args: Any
+    ) -> dict[str, Any] | None:
+        """One create or guarded replace: the Lease as written (with its new resourceVersion),
+        or None when another operator wrote first (409)."""
         try:
-            await self._call(call, *args)
+            resp = await self._call(call, *args)
         except ApiException as e:
             if e.status == 409:
-                return False
+                return None
             raise KubeError(f"{doing} {self._what()}: HTTP {e.status}", status=e.status) from e
         except _NO_ANSWER as e:
             raise KubeError(f"{doing} {self._what()}: {type(e).__name__}") from e
-        return True
+        written: dict[str, Any] = json.loads(resp.data)
+        return written
 
-    async def create(self, spec: dict[str, Any]) -> bool:
-        """Create the Lease; False when another operator created it first."""
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+        """Create the Lease; None when another operator created it first."""
         return await self._write(
             "creating", self._api.create_namespaced_lease, self.namespace, self._body(spec)
         )
 
-    async def update(self, lease: dict[str, Any], spec: dict[str, Any]) -> bool:
-        """Replace the Lease's spec, guarded by its resourceVersion; False on a conflict."""
+    async def update(self, lease: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any] | None:
+        """Replace the Lease's spec, guarded by its resourceVersion; None on a conflict."""
         body = self._body(spec, lease["metadata"]["resourceVersion"])
         return await self._write(
             "updating", self._api.replace_namespaced_lease, self.name, self.namespace, body
@@ -174,6 +181,9 @@ class LeaderElector:
         self._observed: tuple[str, float] | None = None
         """(resourceVersion, our clock when we first saw it): the holder's liveness, judged
         by our own clock only."""
+        self._written: dict[str, Any] | None = None
+        """The Lease as our last write left it, while we lead: a renewal replaces it guarded by
+        its resourceVersion without reading it first (one round trip, not two)."""
         self.leading = False
 
     async def try_acquire_or_renew(self) -> bool:
@@ -186,9 +196,21 @@ class LeaderElector:
             "renewTime": _micro_time(now),
             "leaseTransitions": 0,
         }
+        if self.leading and self._written is not None:
+            # A renewal: if nobody wrote the Lease since our last write, its resourceVersion
+            # is the one we hold, and the guarded replace succeeds. A conflict means someone
+            # did: look at it the way a standby would (below).
+            mine = dict(self._written.get("spec") or {})
+            spec["acquireTime"] = mine.get("acquireTime") or spec["acquireTime"]
+            spec["leaseTransitions"] = int(mine.get("leaseTransitions") or 0)
+            self._written = await self._client.update(self._written, spec)
+            if self._written is not None:
+                return True
+            spec["acquireTime"], spec["leaseTransitions"] = spec["renewTime"], 0
         lease = await self._client.get()
         if lease is None:
-            self.leading = await self._client.create(spec)
+            self._written = await self._client.create(spec)
+            self.leading = self._written is not None
             return self.leading
         old = dict(lease.get("spec") or {})
         holder = str(old.get("holderIdentity") or "")
@@ -207,7 +229,8 @@ class LeaderElector:
             spec["leaseTransitions"] = transitions
         else:
             spec["leaseTransitions"] = transitions + 1
-        self.leading = await self._client.update(lease, spec)
+        self._written = await self._client.update(lease, spec)
+        self.leading = self._written is not None
         return self.leading
 
     async def acquire(self) -> None:
@@ -269,6 +292,7 @@ class LeaderElector:
         if not self.leading:
             return
         self.leading = False
+        self._written = None
         try:
             lease = await self._client.get()
             if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:

@@ -148,3 +148,40 @@ def test_the_lease_is_kept_while_the_operators_loop_is_busy(
     assert not keeper.is_alive(), "the keeper did not stop when asked"
     asyncio.run(a.release())
     assert asyncio.run(b.try_acquire_or_renew()), "a released Lease must be free at once"
+
+
+def test_a_renewal_is_one_request_and_a_conflict_still_reads_the_lease(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    # The holder renews with a replace guarded by its own last write's resourceVersion: no
+    # read, so a slow API server costs one round trip per renewal. A write by someone else in
+    # between makes that replace conflict, and the holder then reads the Lease as usual.
+    cluster, namespace, name = lease
+
+    class CountingClient(LeaseClient):
+        reads = 0
+
+        async def get(self) -> dict[str, Any] | None:
+            CountingClient.reads += 1
+            return await super().get()
+
+    client = CountingClient(cluster.api, namespace=namespace, name=name, timeout=10.0)
+    a = LeaderElector(client, identity="a", timings=TIMINGS)
+
+    async def renew(times: int) -> None:
+        for _ in range(times):
+            assert await a.try_acquire_or_renew()
+
+    asyncio.run(renew(1))
+    assert CountingClient.reads == 1  # acquiring reads once
+    before = _holder(lease)["renewTime"]
+    asyncio.run(renew(3))
+    assert CountingClient.reads == 1, "a renewal read the Lease"
+    assert _holder(lease)["renewTime"] != before
+    # Someone writes the Lease without taking it (a label, say): the next renewal conflicts,
+    # reads it, still finds itself the holder, and renews.
+    cluster.kubectl("label", "lease", name, "-n", namespace, "touched=yes")
+    asyncio.run(renew(1))
+    assert CountingClient.reads == 2
+    spec = _holder(lease)
+    assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("a", 0)
