@@ -19,8 +19,11 @@ import json
 from typing import Any
 
 import pytest
+from baton_operator import manifests
+from baton_operator.nodes import ZONE_LABEL, node_pool
 from baton_testing import trainer
 from baton_testing.operator_harness import Baton, unique
+from kubernetes import client
 
 pytestmark = pytest.mark.cluster
 
@@ -51,6 +54,20 @@ def _trainer_status(pod: dict[str, Any]) -> dict[str, Any]:
 
 def _pods_by_rank(baton: Baton, job: str) -> dict[int, dict[str, Any]]:
     return {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}
+
+
+def _a_snapshot_and_its_replica(baton: Baton, pods: dict[int, dict[str, Any]]) -> tuple[int, int]:
+    """Ranks a and b (neither 0) such that a's sidecar copies its snapshot to b's pod: the
+    operator orders each sidecar's peers by the nodes' zones and pools (manifests.peer_ring),
+    which earlier tests may have labelled, so the order is read from the same labels."""
+    core = client.CoreV1Api(baton.cluster.api)
+    placed: dict[int, tuple[str | None, str | None]] = {}
+    for rank, pod in pods.items():
+        labels = core.read_node(pod["spec"]["nodeName"]).metadata.labels or {}
+        placed[rank] = (labels.get(ZONE_LABEL), node_pool(labels))
+    ring = manifests.peer_ring(placed)
+    pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
+    return next((a, b) for a, b in pairs if 0 not in (a, b))
 
 
 @pytest.mark.parametrize("lost_rank", [1, 0])
@@ -123,11 +140,12 @@ def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(
 
 
 def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(baton: Baton) -> None:
-    # Three pods; each sidecar copies its pod's snapshot to the next pod (ring order), so rank
-    # 1's snapshot lives in pods 1 and 2 only. Both their nodes are killed: the memory tier
-    # cannot cover rank 1, the ranks restore the last durable step, and status and Events say
-    # so. (Three gloo ranks are not bitwise repeatable across a resume; docs/operator.md,
-    # "Determinism at scale": this test checks the tiers and the steps, not the bits.)
+    # Three pods; each sidecar copies its pod's snapshot to the next pod of the ring, so
+    # some rank a's snapshot lives in its pod and the next one's (b) only. Both their nodes are
+    # killed: the memory tier cannot cover rank a, the ranks restore the last durable step,
+    # and status and Events say so. (Three gloo ranks are not bitwise repeatable across a
+    # resume, docs/operator.md "Determinism at scale": this test checks tiers and steps, not
+    # bits.)
     replicas, steps, every = 3, 30, 5
     baton.cluster.add_node()
     baton.cluster.add_node()
@@ -148,7 +166,8 @@ def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(baton: Ba
     )  # fmt: skip
     baton.wait_steps(job, 2 * every + 2)
     before = _pods_by_rank(baton, job)
-    for rank in (1, 2):
+    a, b = _a_snapshot_and_its_replica(baton, before)
+    for rank in (a, b):
         baton.cluster.kill_node(before[rank]["spec"]["nodeName"])
 
     recovered = baton.wait_for(
@@ -159,7 +178,7 @@ def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(baton: Ba
     assert last["tier"] == "durable", diag
     assert last["restoredStep"] % every == 0, diag
     assert last["restoredStep"] >= every, diag
-    assert sorted(e["rank"] for e in last["replaced"]) == [1, 2], diag
+    assert sorted(e["rank"] for e in last["replaced"]) == [1, 2], diag  # a, b: not rank 0
     assert last["kept"] == [f"{job}-a0-r0"], diag
     assert (recovered["attempt"], recovered["failures"]) == (0, 1), diag
     assert any(
