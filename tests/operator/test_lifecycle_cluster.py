@@ -106,6 +106,16 @@ INVALID: list[tuple[str, Any, str]] = [
         "spec.procsPerReplica must not exceed the trainer container's "
         "resources.limits[nvidia.com/gpu]",
     ),
+    (
+        "fast-size",
+        lambda s: s["checkpoint"].update(fastEverySteps=1),
+        "spec.checkpoint.fastSizeLimit is required with fastEverySteps",
+    ),
+    (
+        "fast-quantity",
+        lambda s: s["checkpoint"].update(fastEverySteps=1, fastSizeLimit="4GB"),
+        "spec.checkpoint.fastSizeLimit must be a positive byte quantity",
+    ),
 ]
 
 
