@@ -667,8 +667,8 @@ def _status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
                 "description": (
-                    "Ready, Progressing, Checkpointing, Recovering, Degraded, Suspended, Succeeded, "
-                    "Failed."
+                    "Ready, Progressing, Checkpointing, Recovering, Degraded, Suspended, "
+                    "Succeeded, Failed."
                 ),
             },
         },
