@@ -11,21 +11,27 @@ The estimate is deliberately pessimistic: it uses the slowest of the recent obse
 multiplies by a safety factor, because a skipped save costs the steps since the last
 checkpoint while a save cut off by the node's end costs the same *and* the deadline.
 
+With the memory tier on, a notice has a second way to commit: a snapshot into every pod's
+memory replicated to a peer on another node, measured likewise (:func:`choose_tier`); it is
+then promoted to durable storage in the background.
+
 Once a save has started, :func:`deadline_scope` carries its deadline down to the storage, whose
 retries (S3's) never start an attempt that could not finish before it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 from trainer_sdk.storage._save_deadline import deadline_scope
 from trainer_sdk.storage.base import Storage
 
-__all__ = ["PROBE_PREFIX", "SaveEstimator", "deadline_scope", "probe_write"]
+__all__ = ["PROBE_PREFIX", "SaveEstimator", "choose_tier", "deadline_scope", "probe_write"]
 
 PROBE_PREFIX = ".baton-probe"
 """Directory (under the checkpoint root) for probe objects; not a step directory, so readers
@@ -88,6 +94,27 @@ class SaveEstimator:
         if tput is None:
             return None
         return self.fixed_s + self.safety * nbytes / tput
+
+
+def choose_tier(
+    *, durable_s: float, memory_s: float, left: float | None
+) -> Literal["durable", "memory"] | None:
+    """Where a notice's save commits: ``"durable"``, ``"memory"``, or None (skip it).
+
+    ``durable_s`` and ``memory_s`` are the slowest rank's estimates (seconds) of a durable
+    save and of a memory snapshot plus its replication to a peer; ``math.inf`` when a tier
+    cannot be used or was never measured (the memory tier is never chosen on a guess: a
+    snapshot whose replication does not finish before the node goes is lost with it).
+    ``left``: the seconds left before the deadline minus the margin, None without a deadline.
+    The durable tier whenever it fits (nothing to promote afterwards), else the memory tier
+    when it fits, else nothing. Called on every rank with the same agreed values, so every
+    rank takes the same decision.
+    """
+    if left is None or durable_s <= left:
+        return "durable"
+    if math.isfinite(memory_s) and memory_s <= left:
+        return "memory"
+    return None
 
 
 def probe_write(storage: Storage, *, rank: int, nbytes: int = 8 << 20) -> tuple[int, float]:

@@ -22,6 +22,12 @@ Who calls what, and in which order (every rank alike, at the same step):
   full ``emptyDir``) has no manifest and is never read.
 * ``Checkpointer.restore`` asks :func:`complete_steps` on every rank, keeps the steps every
   rank can load, and tries them with the durable steps, newest first (see ``restore``).
+* A notice whose deadline is too short for a durable save may commit here instead
+  (:meth:`MemoryTier.commit`, when every pod's snapshots replicate and were measured fast
+  enough), and then :meth:`MemoryTier.promote_in_background` copies that snapshot to the
+  checkpoint uri, every rank its own files, rank 0 the manifest last. A restore from a
+  snapshot that is not durable yet (its promotion was cut short by the node's end) promotes it
+  the same way.
 
 The durable tier never waits for this one: a durable or notice save does not wait for a
 snapshot in flight (they use other threads, buffers and process groups), and the snapshot
@@ -32,9 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -43,6 +50,7 @@ import torch
 
 from trainer_sdk import _catalog, api
 from trainer_sdk._collectives import all_gather_json, group_rank_world
+from trainer_sdk._deadline import SaveEstimator
 from trainer_sdk._saving import _update_latest, build_manifest, check_writable, write_rank
 from trainer_sdk.errors import (
     CheckpointError,
@@ -52,6 +60,8 @@ from trainer_sdk.errors import (
 )
 from trainer_sdk.layout import (
     BLOCK_SIZE,
+    FILE_RE,
+    FileEntry,
     Manifest,
     file_path,
     new_hasher,
@@ -177,6 +187,16 @@ class MemoryTier:
         self.link: SidecarLink | None = (
             SidecarLink(control_dir) if control_dir and local_rank == 0 else None
         )
+        self.estimator = SaveEstimator()
+        """Measured seconds of replicated snapshots, from the start of the copy to every pod's
+        replica (what a notice committing here would wait for)."""
+        self._promoter: AsyncSaver | None = None
+        """The promotion's own worker thread and process group (built at the first promotion,
+        by every rank at the same point), so that a promotion never delays a snapshot."""
+        self._pinned: int | None = None
+        """The snapshot being promoted: newer snapshots do not delete it until it is durable."""
+        self._outlived = False
+        """A newer snapshot would have deleted the pinned one: the promotion deletes it."""
 
     @property
     def uri(self) -> str:
@@ -211,9 +231,14 @@ class MemoryTier:
         live = flat.tensors()
         keys = plan.keys  # a property that builds a set: once, not once per tensor
         to_stage = {k: live[k] for k in flat.entries if k in keys}
+        started = time.perf_counter()
 
         def work(staged: dict[str, torch.Tensor], tree: Any) -> int:
-            return self._write(step, plan, staged, tree, flat, attempt=attempt, extra=extra)
+            self._write(step, plan, staged, tree, flat, attempt=attempt, extra=extra)
+            if self.last_replicated == step:
+                # copy, write, commit and replication, as a notice would wait for them
+                self.estimator.record(plan.nbytes, time.perf_counter() - started)
+            return step
 
         return self.saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
 
@@ -296,14 +321,21 @@ class MemoryTier:
             )
 
     def _delete_older(self, committed: int) -> None:
-        """Delete every snapshot directory older than ``committed`` (complete or not)."""
+        """Delete every snapshot directory older than ``committed`` (complete or not), except
+        one being promoted."""
         for name in self.storage.list_dir(""):
             old = parse_step_dir(name)
             if old is not None and old < committed:
-                try:
-                    self.storage.delete_tree(step_dir(old))
-                except OSError as e:  # tidying only; the next commit retries
-                    log.warning("could not delete memory snapshot %s/%s: %s", self.uri, name, e)
+                if old == self._pinned:
+                    self._outlived = True
+                else:
+                    self._delete_step(old)
+
+    def _delete_step(self, step: int) -> None:
+        try:
+            self.storage.delete_tree(step_dir(step))
+        except OSError as e:  # tidying only; the next commit retries
+            log.warning("could not delete memory snapshot %s/%s: %s", self.uri, step_dir(step), e)
 
     def _replicate(self, step: int, timeout: float) -> bool | None:
         """Have the pod's sidecar copy ``step`` to its peers (``LOCAL_RANK`` 0; bounded by
@@ -387,17 +419,179 @@ class MemoryTier:
         """Wait for the snapshot in flight; raise its failure."""
         self.saver.wait_previous()
 
+    # ---- notices and promotion ------------------------------------------------------------
+
+    def notice_estimate(self, nbytes: int) -> float:
+        """Seconds a notice committing ``nbytes`` here would take on this rank (measured:
+        the slowest recent replicated snapshot), or ``math.inf`` when this tier cannot take
+        a notice: no snapshot was replicated by every pod yet, or this pod's sidecar stopped
+        replicating (a snapshot only in the memory of a node that is going away is lost)."""
+        if self.last_replicated is None:
+            return math.inf
+        if self.local_rank == 0 and (self.link is None or not self.link.available()):
+            return math.inf
+        estimate = self.estimator.estimate(nbytes)
+        return math.inf if estimate is None else estimate
+
+    def commit(
+        self, step: int, flat: api.FlatState, plan: api.SavePlan, *, attempt: int | None
+    ) -> bool:
+        """Snapshot ``step`` now and wait for its commit and replication (every rank, at the
+        same step); returns whether every pod's replica of it exists. Raises the snapshot's
+        failure."""
+        self.snapshot(step, flat, plan, attempt=attempt)
+        self.saver.wait_previous()
+        return self.last_replicated == step
+
+    def promote_in_background(
+        self,
+        step: int,
+        durable: Storage,
+        *,
+        attempt: int | None,
+        on_done: Callable[[int, BaseException | None], None],
+    ) -> None:
+        """Copy the complete snapshot of ``step`` to ``durable`` in the background, unchanged:
+        every rank its own files (verified against the manifest's digests), then rank 0 the
+        manifest, last. ``on_done(step, error)`` runs on the promotion's thread on every rank
+        when it ends. Call it on every rank at the same point (the first call builds a process
+        group, collectively). The snapshot is kept in ``fast_dir`` until then."""
+        if self._promoter is None:
+            self._promoter = AsyncSaver(timeout=self.saver.timeout)
+        self._promoter.wait_previous()
+        self._pinned = step
+
+        def work(staged: dict[str, torch.Tensor], tree: Any) -> int:
+            error: BaseException | None = None
+            copied = 0
+            try:
+                copied = self._promote(step, durable, attempt=attempt)
+            except BaseException as e:
+                error = e
+            finally:
+                self._pinned = None
+            if self._outlived:
+                # kept only for the promotion: a newer snapshot has committed (and been
+                # replicated) since, and would have deleted it
+                self._outlived = False
+                self._delete_step(step)
+            on_done(step, error)
+            if error is not None:
+                raise error
+            return copied
+
+        self._promoter.submit(step=step, tensors={}, json_tree=None, work=work)
+
+    def _promote(self, step: int, dst: Storage, *, attempt: int | None) -> int:
+        group = None if self._promoter is None else self._promoter.group
+        timeout = self.saver.timeout.total_seconds()
+        what = f"promoting memory snapshot {step}"
+        key = _catalog.manifest_key(step)
+        outcome: dict[str, Any] = {"ok": True, "bytes": 0}
+        data = b""
+        try:
+            data = self.storage.read_bytes(key)
+            manifest = Manifest.parse(data, step=step)
+            if dst.exists(key) and dst.read_bytes(key) != data:
+                raise CheckpointError(
+                    f"step {step} is already committed under {dst.uri} by another save; the "
+                    "memory snapshot was not promoted and nothing was overwritten"
+                )
+            if not dst.exists(key):
+                if attempt is not None:
+                    check_writable(dst, step, attempt)
+                for name, entry in manifest.files.items():
+                    m = FILE_RE.fullmatch(name)
+                    if m is not None and int(m.group(1)) == self.rank:
+                        outcome["bytes"] += _copy_verified(self.storage, dst, step, name, entry)
+        except Exception as e:
+            if self.world == 1:
+                raise
+            outcome = _error_json(self.rank, e)
+        outcomes = [outcome]
+        if self.world > 1:
+            outcomes = all_gather_json(outcome, group=group, timeout=timeout, what=what)
+        self._raise_failures(outcomes, step, "copying its files to durable storage")
+        final: dict[str, Any] = {"ok": True}
+        if self.rank == 0 and not dst.exists(key):
+            try:
+                dst.create_exclusive(key, data)  # the commit marker, last
+            except Exception as e:
+                if self.world == 1:
+                    raise
+                final = _error_json(self.rank, e)
+            else:
+                try:
+                    _update_latest(dst, step)
+                except Exception as e:  # committed; latest is only a hint
+                    log.warning("promoted step %d, but moving 'latest' failed: %s", step, e)
+        if self.world > 1:
+            finals = all_gather_json(final, group=group, timeout=timeout, what=what)
+            self._raise_failures(finals, step, "committing the promoted manifest")
+        copied = sum(int(o.get("bytes") or 0) for o in outcomes) + len(data)
+        if self.rank == 0:
+            log.info("promoted memory snapshot of step %d to %s (%d bytes)", step, dst.uri, copied)
+        return copied
+
+    @property
+    def promoting(self) -> int | None:
+        """The step being promoted, if any."""
+        return self._pinned
+
+    def wait_promotion(self) -> None:
+        """Wait for a promotion in flight; raise its failure (once)."""
+        if self._promoter is not None:
+            self._promoter.wait_previous()
+
     def close(self) -> None:
-        """Wait for the snapshot in flight (a failure is logged: the durable tier is what a
-        closing run relies on) and stop the writer."""
+        """Wait for the snapshot and a promotion in flight (a failure is logged: the durable
+        tier is what a closing run relies on) and stop the writers."""
         try:
             self.saver.close()
         except Exception as e:
             log.warning("rank %d: the last memory snapshot failed: %s", self.rank, e)
+        if self._promoter is not None:
+            try:
+                self._promoter.close()
+            except Exception as e:
+                log.warning(
+                    "rank %d: promoting the memory snapshot to durable storage failed: %s",
+                    self.rank,
+                    e,
+                )
 
 
 _COPY_CHUNK: Final = 8 << 20
 """Bytes copied (and hashed) at a time by :func:`promote`: its memory is bounded by this."""
+
+
+def _copy_verified(src: Storage, dst: Storage, step: int, name: str, entry: FileEntry) -> int:
+    """Copy one file of ``step`` from ``src`` to ``dst`` in bounded chunks, checking it
+    against the manifest's digest before it is committed; returns its size."""
+    path = file_path(step, name)
+    algorithm, want = entry.digest
+    hasher = new_hasher(algorithm)
+    buf = bytearray(min(_COPY_CHUNK, max(entry.size, 1)))
+    writer = dst.open_writer(path, size_hint=entry.size)
+    try:
+        offset = 0
+        while offset < entry.size:
+            view = memoryview(buf)[: min(len(buf), entry.size - offset)]
+            src.read_into(path, offset, view)
+            hasher.update(view)
+            writer.write(bytes(view))
+            offset += len(view)
+        if hasher.hexdigest() != want:
+            raise CorruptCheckpointError(
+                f"{algorithm} differs from the manifest's: the memory snapshot of step "
+                f"{step} is corrupt and was not promoted",
+                path=f"{src.uri}/{path}",
+            )
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return entry.size
 
 
 def promote(fast_dir: Location, uri: Location, *, step: int) -> int:
@@ -431,31 +625,8 @@ def promote(fast_dir: Location, uri: Location, *, step: int) -> int:
         )
     check_writable(dst, step, manifest.attempt)
     copied = 0
-    buf = bytearray(_COPY_CHUNK)
     for name, entry in manifest.files.items():
-        path = file_path(step, name)
-        algorithm, want = entry.digest
-        hasher = new_hasher(algorithm)
-        writer = dst.open_writer(path, size_hint=entry.size)
-        try:
-            offset = 0
-            while offset < entry.size:
-                view = memoryview(buf)[: min(_COPY_CHUNK, entry.size - offset)]
-                src.read_into(path, offset, view)
-                hasher.update(view)
-                writer.write(bytes(view))
-                offset += len(view)
-            if hasher.hexdigest() != want:
-                raise CorruptCheckpointError(
-                    f"{algorithm} differs from the manifest's: the memory snapshot of step "
-                    f"{step} is corrupt and was not promoted",
-                    path=f"{src.uri}/{path}",
-                )
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
-        copied += entry.size
+        copied += _copy_verified(src, dst, step, name, entry)
     dst.create_exclusive(key, data)  # the commit marker, last
     try:
         _update_latest(dst, step)

@@ -11,7 +11,9 @@ agreement) and owns the state and the saves; this module holds the two things it
   save in flight, plan the emergency save, agree on the slowest rank's estimate against rank
   0's clock, skip the save if it cannot end before the deadline minus the margin, else save
   inside the deadline scope; and report each state (``requested``, ``saving``,
-  ``committed``, ``skipped``, ``failed``) as it goes.
+  ``committed``, ``skipped``, ``failed``) as it goes. With the memory tier on, the same
+  agreement also picks the tier (:func:`~trainer_sdk._deadline.choose_tier`): a durable save
+  when it fits, else a replicated memory snapshot promoted afterwards in the background.
 
 Log records go to the ``trainer_sdk.checkpointer`` logger, where users (and tests) already
 listen for the Checkpointer's notices.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -29,14 +32,14 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from trainer_sdk._collectives import all_reduce_max
-from trainer_sdk._deadline import SaveEstimator, deadline_scope
+from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
 from trainer_sdk._saving import SaveInfo
-from trainer_sdk.control import ControlChannel, SavePhase, State, Status
+from trainer_sdk.control import ControlChannel, SavePhase, State, Status, Tier
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.planning import FlatState, SavePlan
 from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
 
-__all__ = ["HEARTBEAT_EVERY_S", "NoticeServer", "StatusReporter"]
+__all__ = ["HEARTBEAT_EVERY_S", "MemoryCommit", "NoticeServer", "StatusReporter"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
 
@@ -119,6 +122,21 @@ Prepared = tuple[FlatState, SavePlan]
 """A flattened state and this rank's save plan, ready to write."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemoryCommit:
+    """What a notice may do with the memory tier (the Checkpointer's methods)."""
+
+    estimate: Callable[[int], float]
+    """This rank's measured seconds for a snapshot of that many bytes plus its replication;
+    ``math.inf`` when the tier cannot take a notice now."""
+    commit: Callable[[int, Prepared], bool]
+    """Snapshot the step and wait for it; whether every pod's replica exists."""
+    promote: Callable[[int], None]
+    """Start promoting the step's snapshot to durable storage in the background."""
+    uri: Callable[[int], str]
+    """Where the step's snapshot lives."""
+
+
 @dataclass(kw_only=True)
 class NoticeServer:
     """Serves an agreed notice on this rank (every rank serves it at the same step).
@@ -126,7 +144,7 @@ class NoticeServer:
     The Checkpointer builds it once and hands it the steps of a save it owns: ``drain`` (wait
     for a save in flight, raising its failure), ``prepare`` (flatten and plan ``step``),
     ``probe`` (calibrate the estimate before a first save), ``save`` (a synchronous save of
-    a prepared step), ``last_committed`` and ``step_uri``.
+    a prepared step), ``last_committed`` and ``step_uri``; with the memory tier, ``memory``.
     """
 
     rank: int
@@ -142,6 +160,8 @@ class NoticeServer:
     save: Callable[[int, str, Prepared], SaveInfo]
     last_committed: Callable[[], int | None]
     step_uri: Callable[[int], str]
+    memory: MemoryCommit | None = None
+    """The memory tier's part in a notice; None when it is off."""
 
     def serve(self, step: int, local: LocalNotice, agreement: Agreement) -> bool:
         """Save ``step`` for the notice in ``agreement``, or skip it if it cannot finish in
@@ -194,30 +214,77 @@ class NoticeServer:
             if not self.estimator.measured:
                 self.probe()
             estimate = self.estimator.estimate(nbytes) or 0.0
-            # The slowest rank's estimate against rank 0's clock: the same verdict everywhere.
-            est_max, now0 = all_reduce_max(
-                [estimate, time.time() if self.rank == 0 else 0.0], group=self.group
+            memory = math.inf if self.memory is None else self.memory.estimate(nbytes)
+            # The slowest rank's estimates against rank 0's clock: the same verdict everywhere.
+            est_max, mem_max, now0 = all_reduce_max(
+                [estimate, memory, time.time() if self.rank == 0 else 0.0], group=self.group
             )
             plan_s = time.perf_counter() - t
-            if agreement.deadline is not None:
-                left = agreement.deadline - self.deadline_margin - now0
-                if est_max > left:
-                    last = self.last_committed()
-                    reason = (
-                        f"skipped: a save of step {step} is estimated at {est_max:.2f}s but only "
-                        f"{max(left, 0.0):.2f}s are left before the deadline minus the "
-                        f"{self.deadline_margin:g}s margin; the job will resume from "
-                        + (f"step {last}" if last is not None else "the start (no checkpoint yet)")
+            left = (
+                None
+                if agreement.deadline is None
+                else agreement.deadline - self.deadline_margin - now0
+            )
+            tier = choose_tier(durable_s=est_max, memory_s=mem_max, left=left)
+            if tier == "memory" and self.memory is not None:
+                log.warning(
+                    "rank %d: a durable save of step %d is estimated at %.2fs, the memory tier "
+                    "with its replication at %.2fs, and %.2fs are left before the deadline "
+                    "minus the margin: committing to the memory tier, then promoting it",
+                    self.rank,
+                    step,
+                    est_max,
+                    mem_max,
+                    left,
+                )
+                self.status.update(state=State.SAVING)
+                perf = time.perf_counter()
+                replicated = self.memory.commit(step, prepared)
+                write_s = time.perf_counter() - perf
+                if not replicated:
+                    # Promoted all the same: until the node goes, it may still become durable.
+                    self.memory.promote(step)
+                    raise CheckpointError(
+                        f"the memory snapshot of step {step} committed but was not replicated "
+                        "to a peer (see the replication warning above): it would be lost with "
+                        "this node, so it is no commit a restart can rely on. Its promotion to "
+                        "durable storage runs until the process ends"
                     )
-                    log.error("%s", reason)
-                    self.status.update(
-                        state=State.SKIPPED,
-                        error=reason,
-                        seconds=time.perf_counter() - notice_t,
-                        phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
+                phases: dict[str, float] = {
+                    SavePhase.DRAIN: drain_s,
+                    SavePhase.PLAN: plan_s,
+                    SavePhase.WRITE: write_s,
+                }
+                self._finish(
+                    local, step, notice_t, phases, None, tier=Tier.MEMORY,
+                    uri=self.memory.uri(step),
+                )  # fmt: skip
+                self.memory.promote(step)  # reported committed first: this may wait
+                return self._after(step, bg_error)
+            if tier is None:
+                assert left is not None  # without a deadline the durable tier is chosen
+                last = self.last_committed()
+                reason = (
+                    f"skipped: a save of step {step} is estimated at {est_max:.2f}s but only "
+                    f"{max(left, 0.0):.2f}s are left before the deadline minus the "
+                    f"{self.deadline_margin:g}s margin"
+                    + (
+                        ""
+                        if math.isinf(mem_max)
+                        else f" (the memory tier with its replication at {mem_max:.2f}s)"
                     )
-                    self.board.served(local)
-                    return self._after(step, bg_error)
+                    + "; the job will resume from "
+                    + (f"step {last}" if last is not None else "the start (no checkpoint yet)")
+                )
+                log.error("%s", reason)
+                self.status.update(
+                    state=State.SKIPPED,
+                    error=reason,
+                    seconds=time.perf_counter() - notice_t,
+                    phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
+                )
+                self.board.served(local)
+                return self._after(step, bg_error)
             self.status.update(state=State.SAVING)
             # Storage retries (S3) never start one that could not end before the margin.
             with deadline_scope(
@@ -239,19 +306,28 @@ class NoticeServer:
         notice_t: float,
         phases: dict[str, float],
         total_bytes: int | None,
+        *,
+        tier: Tier = Tier.DURABLE,
+        uri: str | None = None,
     ) -> None:
         total = time.perf_counter() - notice_t
         self.status.update(
             state=State.COMMITTED,
             seconds=total,
-            uri=self.step_uri(step),
+            uri=uri or self.step_uri(step),
             phases=phases,
             bytes=total_bytes,
-            last_committed_step=step,
+            # A memory commit is not durable yet: its promotion moves this when it commits.
+            last_committed_step=step if tier is Tier.DURABLE else self.last_committed(),
+            tier=tier.value,
         )
         self.board.served(local)
         log.warning(
-            "rank %d: emergency checkpoint of step %d committed in %.2fs", self.rank, step, total
+            "rank %d: emergency checkpoint of step %d committed to the %s tier in %.2fs",
+            self.rank,
+            step,
+            tier.value,
+            total,
         )
 
     def _after(self, step: int, bg_error: BaseException | None) -> bool:

@@ -47,15 +47,15 @@ from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._memory_tier import DURABLE, MEMORY, MemoryTier, RestoreInfo
-from trainer_sdk._notices import NoticeServer, StatusReporter
+from trainer_sdk._notices import MemoryCommit, NoticeServer, StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
-from trainer_sdk.control import ROUTINE_TRIGGERS, ControlChannel, State, Trigger
+from trainer_sdk.control import ROUTINE_TRIGGERS, ControlChannel, State, Tier, Trigger
 from trainer_sdk.errors import (
     BatonError,
     CheckpointError,
     UnreadableCheckpointError,
 )
-from trainer_sdk.layout import step_dir
+from trainer_sdk.layout import FILE_RE, step_dir
 from trainer_sdk.planning import PlanCache
 from trainer_sdk.signals import (
     Agreement,
@@ -356,9 +356,13 @@ class Checkpointer:
         self._last_save_time = self._clock()
         if tier == DURABLE:
             self._last_committed = loaded
-            self._reporter.update(last_committed_step=loaded, restored_step=loaded)
+            self._reporter.update(
+                last_committed_step=loaded, restored_step=loaded, restored_tier=Tier.DURABLE.value
+            )
         else:
-            self._reporter.update(restored_step=loaded)
+            self._reporter.update(restored_step=loaded, restored_tier=Tier.MEMORY.value)
+            if self._needs_promotion(loaded):
+                self._promote(loaded)
         return loaded
 
     def step(self, step: int) -> bool:
@@ -442,11 +446,13 @@ class Checkpointer:
         return self._last_committed
 
     def wait(self) -> None:
-        """Wait for a background save and a memory-tier snapshot in flight; raise a failure."""
+        """Wait for a background save, a memory-tier snapshot and a promotion in flight;
+        raise a failure."""
         if self._saver is not None:
             self._drain()
         if self._fast is not None:
             self._fast.wait()
+            self._fast.wait_promotion()
 
     @property
     def restored(self) -> RestoreInfo:
@@ -596,7 +602,111 @@ class Checkpointer:
             save=self._save_prepared,
             last_committed=lambda: self._last_committed,
             step_uri=self._step_uri,
+            memory=None
+            if self._fast is None
+            else MemoryCommit(
+                estimate=self._fast.notice_estimate,
+                commit=self._commit_memory,
+                promote=self._promote,
+                uri=self._snapshot_uri,
+            ),
         )
+
+    def _commit_memory(self, step: int, prepared: tuple[api.FlatState, api.SavePlan]) -> bool:
+        """A notice's commit to the memory tier (every rank; waits for the replication)."""
+        assert self._fast is not None
+        self._register_attempt()
+        flat, plan = prepared
+        return self._fast.commit(step, flat, plan, attempt=self._attempt)
+
+    def _promote(self, step: int) -> None:
+        """Promote the memory snapshot of ``step`` to the checkpoint uri in the background
+        (every rank at the same point); reported and retained like a commit when it ends."""
+        assert self._fast is not None
+        self._fast.promote_in_background(
+            step, self.storage, attempt=self._attempt, on_done=self._after_promotion
+        )
+
+    def _snapshot_uri(self, step: int) -> str:
+        assert self._fast is not None
+        return f"{self._fast.uri.rstrip('/')}/{step_dir(step)}"
+
+    def _after_promotion(self, step: int, error: BaseException | None) -> None:
+        # On the promotion's thread, on every rank.
+        if error is not None:
+            log.error(
+                "rank %d: promoting the memory snapshot of step %d to %s failed: %s. The "
+                "snapshot stays in the memory tier (and its replicas) until a newer one; the "
+                "next durable save makes a later step durable",
+                self.rank,
+                step,
+                self.config.uri,
+                error,
+            )
+            return
+        self._last_committed = max(self._last_committed or 0, step)
+        if self.rank == 0:
+            try:
+                _catalog.retain(
+                    self.storage,
+                    committed=step,
+                    keep_last=self.config.keep_last,
+                    attempt=self._attempt,
+                )
+            except Exception as e:  # committed; retention is tidying up only
+                log.warning("step %d is promoted, but retention under %s failed: %s", step,
+                            self.config.uri, e)  # fmt: skip
+        status = self._reporter.status
+        if status.step == step and status.tier == Tier.MEMORY.value:
+            self._reporter.update(
+                tier=Tier.PROMOTED.value, uri=self._step_uri(step), last_committed_step=step
+            )
+        else:
+            self._reporter.update(last_committed_step=self._last_committed)
+        log.info("rank %d: step %d is durable under %s (promoted)", self.rank, step,
+                 self.config.uri)  # fmt: skip
+
+    def _needs_promotion(self, step: int) -> bool:
+        """After a restore from the memory tier: whether to promote the snapshot of ``step``
+        (every rank learns rank 0's answer; bounded). Yes when the step is not durable (a
+        notice's promotion cut short by its node's end, or a node lost between durable
+        saves), so that losing every copy in memory later cannot lose it; not when the world
+        size changed (every rank copies its own files, and the new ranks have none: the next
+        durable save makes a later step durable)."""
+        assert self._fast is not None
+        promote = False
+        if self.rank == 0:
+            try:
+                names = self._fast.storage.list_dir(step_dir(step))
+            except OSError:
+                names = []
+            worlds = {int(m.group(2)) for n in names if (m := FILE_RE.fullmatch(n))}
+            if self.storage.exists(_catalog.manifest_key(step)):
+                promote = False
+            elif worlds != {self.world_size}:
+                log.info(
+                    "the memory snapshot of step %d (world %s) is not promoted at this world "
+                    "size (%d); the next durable save makes a later step durable",
+                    step,
+                    sorted(worlds),
+                    self.world_size,
+                )
+            else:
+                promote = True
+                log.warning(
+                    "step %d was restored from the memory tier and is not durable yet: "
+                    "promoting it to %s in the background",
+                    step,
+                    self.config.uri,
+                )
+        if self._group is not None:
+            promote = broadcast_json(
+                promote,
+                group=self._group,
+                timeout=self.config.timeout.total_seconds(),
+                what="restore: promoting the memory snapshot",
+            )
+        return bool(promote)
 
     def _save_prepared(
         self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
@@ -611,7 +721,11 @@ class Checkpointer:
         # the manifest is written: only now may older checkpoints go.
         self._estimator.record(rank_bytes, info.seconds)
         self._last_committed = info.step
-        if self.rank == 0:
+        if self._fast is not None and self._fast.promoting is not None:
+            # Retention deletes incomplete directories older than the commit: not the one a
+            # promotion is filling. The next commit's retention catches up.
+            log.debug("retention skipped: step %d is being promoted", self._fast.promoting)
+        elif self.rank == 0:
             try:
                 _catalog.retain(
                     self.storage,
@@ -636,6 +750,7 @@ class Checkpointer:
                 state=State.COMMITTED,
                 request_id=None,
                 step=info.step,
+                tier=Tier.DURABLE.value,
                 trigger=info.trigger,
                 deadline=None,
                 error=None,

@@ -83,6 +83,7 @@ __all__ = [
     "SavePhase",
     "State",
     "Status",
+    "Tier",
     "Trigger",
     "aggregate",
     "format_rfc3339",
@@ -161,6 +162,19 @@ class Trigger(enum.StrEnum):
 
 ROUTINE_TRIGGERS: Final = frozenset({Trigger.PERIODIC, Trigger.MANUAL})
 """Saves made by policy or by an explicit save(): they answer no request."""
+
+
+class Tier(enum.StrEnum):
+    """Where a commit (or a restore) went, as written in ``status.json`` (``tier``,
+    ``restored_tier``): the SDK, the sidecar and the operator read the same words."""
+
+    DURABLE = "durable"
+    """The checkpoint uri (object storage or a shared filesystem): survives anything."""
+    MEMORY = "memory"
+    """The memory tier (``fast_dir``) of every pod, replicated to a peer on another node:
+    survives the loss of any one node; made durable later by its promotion."""
+    PROMOTED = "memory+promoted"
+    """A memory commit whose promotion to the checkpoint uri has since committed too."""
 
 
 class SavePhase(enum.StrEnum):
@@ -335,6 +349,13 @@ class Status:
     step_seconds: float | None = None
     """Mean wall seconds per training step since the first step this process reported (saves
     in between included): the operator's estimate of what a lost step cost."""
+    tier: str | None = None
+    """The :class:`Tier` the save of ``step`` committed to (``None`` before a commit, or from
+    an SDK before tiers): ``durable``, ``memory`` (a notice committed to the replicated memory
+    tier; its promotion runs in the background) or ``memory+promoted`` (that promotion
+    committed too)."""
+    restored_tier: str | None = None
+    """The :class:`Tier` ``restored_step`` was loaded from (``durable`` or ``memory``)."""
     updated: datetime = dataclasses.field(default_factory=utcnow)
     """When ``state`` last changed."""
     pid: int = dataclasses.field(default_factory=os.getpid)
@@ -371,6 +392,8 @@ class Status:
             "restored_step": self.restored_step,
             "train_step": self.train_step,
             "step_seconds": self.step_seconds,
+            "tier": self.tier,
+            "restored_tier": self.restored_tier,
             "updated": format_rfc3339(self.updated),
             "pid": self.pid,
             "heartbeat": format_rfc3339(self.heartbeat),
@@ -413,6 +436,8 @@ class Status:
             restored_step=_get(data, "restored_step", int),
             train_step=_get(data, "train_step", int),
             step_seconds=None if step_seconds is None else float(step_seconds),
+            tier=_get(data, "tier", str),
+            restored_tier=_get(data, "restored_tier", str),
             updated=updated if updated is not None else now,
             pid=_get(data, "pid", int) or 0,
             heartbeat=heartbeat if heartbeat is not None else now,

@@ -23,6 +23,7 @@ from trainer_sdk.control import (
     Request,
     State,
     Status,
+    Tier,
     trainer_liveness,
     utcnow,
 )
@@ -139,6 +140,8 @@ class Sidecar:
                 "phases": {},
                 "bytes": None,
                 "last_committed_step": None,
+                "tier": None,
+                "restored_tier": None,
                 "updated": None,
                 "pid": None,
                 "heartbeat": None,
@@ -147,7 +150,14 @@ class Sidecar:
                 "ranks": [],
             }
         )
-        if status is not None and status.state in _ENDED and status.request_id:
+        if (
+            status is not None
+            and status.state in _ENDED
+            and status.request_id
+            and status.tier != Tier.MEMORY
+        ):
+            # A notice committed to the memory tier is answered once its promotion is seen
+            # too: the operator waits for that, so the sidecar lingers for it.
             self._answered = status.request_id
         body["trainer"] = self.liveness(status).value
         body["heartbeat_age_seconds"] = (

@@ -55,6 +55,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--uri", default=None, help="checkpoint root (default $BATON_CHECKPOINT_URI)")
     p.add_argument("--loss-log", default=None, help="per-step loss log (see module docstring)")
     p.add_argument("--result", default=None, help="JSON summary written by rank 0 at the end")
+    p.add_argument(
+        "--throttle-bytes-per-s",
+        type=float,
+        default=None,
+        help="write checkpoints to --uri at most this fast (baton_testing.throttled)",
+    )
+    p.add_argument("--probe-bytes", type=int, default=None, help="Checkpointer(probe_bytes=...)")
     p.add_argument("--every-steps", type=int, default=None)
     p.add_argument("--every-seconds", type=float, default=None)
     p.add_argument("--keep-last", type=int, default=None)
@@ -208,8 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
 
+    uri: Any = args.uri
+    if args.throttle_bytes_per_s:
+        from baton_testing.throttled import ThrottledStorage
+
+        uri = ThrottledStorage(args.uri, rate=args.throttle_bytes_per_s)
     ckpt = trainer_sdk.Checkpointer(
-        args.uri,
+        uri,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -232,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else {}
         ),
         deadline_margin=args.deadline_margin,
+        **({"probe_bytes": args.probe_bytes} if args.probe_bytes else {}),
         timeout=args.timeout,
         accumulation_steps=args.accum if args.declare_accum else None,
     )

@@ -98,13 +98,16 @@ def test_snapshots_are_bounded_and_restore_prefers_the_newest_tier(tmp_path: Pat
     assert ck2.restore() == 13
     assert ck2.restored == trainer_sdk.RestoreInfo(step=13, tier="memory", uri=f"file://{fast}")
     assert _digest(model2, opt2) == want
-    ck2.close()
+    ck2.close()  # waits for the promotion of step 13, which its restore started
 
-    # Without the memory tier the same root resumes from the durable step.
+    # Without the memory tier the same root resumes from the durable tier, where restoring a
+    # snapshot that was not durable yet promoted it (docs/checkpointer.md, "Promotion").
+    assert trainer_sdk.list_steps(str(uri)) == [10, 13]
     model3, opt3 = _model(seed=2)
     ck3 = trainer_sdk.Checkpointer(uri, model=model3, optimizer=opt3, handle_sigterm=False)
-    assert ck3.restore() == 10
+    assert ck3.restore() == 13
     assert ck3.restored.tier == "durable"
+    assert _digest(model3, opt3) == want
     ck3.close()
 
 
