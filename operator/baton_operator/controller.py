@@ -867,8 +867,10 @@ class Reconciler:
                 trigger=Trigger.NOTICE.value,
                 completed_at=iso(now),
                 seconds=verdict.seconds,
+                tier=reports.commit_tier(answers.values(), verdict.step),
             )
             key = (spec.namespace, spec.name)
+            self._metrics.checkpoint_committed(*key, checkpoint.tier)
             self._metrics.notice_to_commit.labels(*key).observe((now - received).total_seconds())
             self._metrics.deadline_margin.labels(*key).observe((deadline - now).total_seconds())
             self._metrics.last_checkpoint.labels(*key).set(now.timestamp())
@@ -1048,9 +1050,11 @@ class Reconciler:
             trigger=(source.trigger if source else None) or Trigger.PERIODIC.value,
             completed_at=iso(t.now),
             seconds=source.seconds if source else None,
+            tier=reports.commit_tier(t.memory.reports.values(), best),
         )
         await self._patch(t, t.patch().set({"lastCheckpoint": checkpoint.to_status()}))
         t.status = replace(t.status, last_checkpoint=checkpoint)
+        self._metrics.checkpoint_committed(t.spec.namespace, t.spec.name, checkpoint.tier)
         self._metrics.last_checkpoint.labels(t.spec.namespace, t.spec.name).set(t.now.timestamp())
         return best
 

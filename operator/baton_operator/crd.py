@@ -465,6 +465,15 @@ def _status_schema() -> dict[str, Any]:
             "trigger": _str("periodic, notice or signal."),
             "completedAt": _str("When the operator saw the commit.", format="date-time"),
             "seconds": {"type": "number", "description": "Save time reported by the SDK."},
+            "tier": {
+                "type": "string",
+                "enum": ["durable", "memory", "memory+promoted"],
+                "description": (
+                    "Where it committed: durable (the checkpoint uri), memory (a notice's "
+                    "snapshot in the pods' memory tier, replicated to peers) or memory+promoted "
+                    "(that snapshot since copied to the checkpoint uri)."
+                ),
+            },
         },
     }
     checkpoint_interval = {

@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from .lifecycle import Phase
+from .reports import TIERS
 
 __all__ = ["Health", "Metrics", "serve"]
 
@@ -82,6 +83,12 @@ class Metrics:
             "time); an estimate from the ranks' reported step and step time.",
             _JOB, registry=r,
         )  # fmt: skip
+        self.checkpoints = Counter(
+            "baton_checkpoints",
+            "Commits the operator recorded in status.lastCheckpoint, by the tier they went to "
+            "(durable, memory, memory+promoted: a memory commit's promotion counts again).",
+            (*_JOB, "tier"), registry=r,
+        )  # fmt: skip
         self.jobs = Gauge("baton_jobs", "TrainingJobs by phase.", ("phase",), registry=r)
         self.notices = Counter(
             "baton_notices", "Eviction notices seen, by source.", ("source",), registry=r
@@ -135,6 +142,8 @@ class Metrics:
         self.preemptions.labels(*key)
         self.steps_lost_total.labels(*key)
         self.gpu_seconds_lost_total.labels(*key)
+        for tier in TIERS:
+            self.checkpoints.labels(*key, tier)
         self.failure_budget.labels(*key).set(failures_left)
         self.last_checkpoint.labels(*key).set(last_checkpoint)
 
@@ -174,6 +183,13 @@ class Metrics:
                 self._phase_counts[value] += delta
                 self.jobs.labels(value).set(self._phase_counts[value])
 
+    def checkpoint_committed(self, namespace: str, name: str, tier: str | None) -> None:
+        """Count a commit recorded in ``status.lastCheckpoint`` (no tier: an SDK before tiers,
+        whose saves are durable; an unknown word is not counted, the label stays bounded)."""
+        tier = tier or TIERS[0]
+        if tier in TIERS:
+            self.checkpoints.labels(namespace, name, tier).inc()
+
     def count_restart(self, namespace: str, name: str, reason: str) -> None:
         self._restart_reasons.setdefault((namespace, name), set()).add(reason)
         self.restarts.labels(namespace, name, reason).inc()
@@ -199,6 +215,8 @@ class Metrics:
             _remove(metric, key)
         for reason in self._restart_reasons.pop(key, set()):
             _remove(self.restarts, (*key, reason))
+        for tier in TIERS:
+            _remove(self.checkpoints, (*key, tier))
 
     def render(self) -> bytes:
         """The text exposition of every metric."""

@@ -204,6 +204,9 @@ class LastCheckpoint:
     trigger: str | None = None
     completed_at: str | None = None
     seconds: float | None = None
+    tier: str | None = None
+    """``durable``, ``memory`` or ``memory+promoted``, as the ranks reported it (None: an SDK
+    before tiers, whose saves are durable)."""
 
     def to_status(self) -> dict[str, Any]:
         """The status-subresource shape (camelCase, nulls dropped)."""
@@ -216,6 +219,8 @@ class LastCheckpoint:
             out["completedAt"] = self.completed_at
         if self.seconds is not None:
             out["seconds"] = self.seconds
+        if self.tier is not None:
+            out["tier"] = self.tier
         return out
 
     @classmethod
@@ -230,4 +235,5 @@ class LastCheckpoint:
             trigger=raw.get("trigger"),
             completed_at=raw.get("completedAt"),
             seconds=None if seconds is None else float(seconds),
+            tier=raw.get("tier"),
         )

@@ -10,21 +10,34 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from .model import LastCheckpoint
 from .notices import parse_time
 from .vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 
 __all__ = [
+    "MEMORY_TIER",
+    "PROMOTED_TIER",
+    "TIERS",
     "SidecarStatus",
     "answers",
+    "commit_tier",
     "committed_notice",
     "fallback_fields",
     "fallback_step",
     "loaded_step",
     "served_notice",
 ]
+
+
+DURABLE_TIER: Final = "durable"
+MEMORY_TIER: Final = "memory"
+"""A notice committed to the ranks' memory tier, replicated to peers; not durable yet."""
+PROMOTED_TIER: Final = "memory+promoted"
+"""A memory commit whose promotion to the checkpoint uri has committed too."""
+TIERS: Final = (DURABLE_TIER, MEMORY_TIER, PROMOTED_TIER)
+"""Every tier the SDK reports (``baton_checkpoints_total``'s bounded ``tier`` label)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +65,9 @@ class SidecarStatus:
     """The rank's measured mean wall seconds per step."""
     heartbeat: datetime | None = None
     """When the SDK last wrote its status (a step boundary, or a save's state change)."""
+    tier: str | None = None
+    """The tier the save of ``step`` committed to (``durable``, ``memory``,
+    ``memory+promoted``); None from SDKs before tiers, which save durably only."""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> SidecarStatus:
@@ -77,13 +93,20 @@ class SidecarStatus:
             train_step=opt_int("train_step"),
             step_seconds=None if step_seconds is None else float(step_seconds),
             heartbeat=parse_time(raw.get("heartbeat")),
+            tier=_tier(raw.get("tier")),
         )
+
+    @property
+    def durable(self) -> bool:
+        """Whether the save of ``step`` is in durable storage (every tier but a memory commit
+        whose promotion has not committed yet)."""
+        return self.tier != MEMORY_TIER
 
     @property
     def committed_step(self) -> int | None:
         """The newest committed step this status proves, if any."""
         steps = [s for s in (self.last_committed_step,) if s is not None]
-        if self.state == SaveState.COMMITTED and self.step is not None:
+        if self.state == SaveState.COMMITTED and self.step is not None and self.durable:
             steps.append(self.step)
         return max(steps) if steps else None
 
@@ -95,8 +118,13 @@ def _for_a_notice(report: SidecarStatus) -> bool:
 def committed_notice(report: SidecarStatus | None) -> bool:
     """The rank's sidecar reported a *committed* save for a notice or a signal: the
     checkpoint holds every rank's shards, whatever exit code the trainer (or torchrun, which
-    turns a worker's 75 into 1) ends with."""
-    return report is not None and report.state == SaveState.COMMITTED and _for_a_notice(report)
+    turns a worker's 75 into 1) ends with. A memory commit counts once it is promoted."""
+    return (
+        report is not None
+        and report.state == SaveState.COMMITTED
+        and report.durable
+        and _for_a_notice(report)
+    )
 
 
 def served_notice(report: SidecarStatus | None) -> bool:
@@ -112,13 +140,36 @@ def answers(report: SidecarStatus, request_id: str) -> bool:
     """Whether a sidecar report is about the save serving this notice.
 
     Our request's id, or an emergency save (a signal or another notice: the SDK serves all
-    pending notices with one save). A periodic save's report is never the answer.
+    pending notices with one save). A periodic save's report is never the answer, nor is a
+    memory-tier commit until its promotion has committed: the pods (and their memory) are
+    deleted by the restart that follows the answer, so until then the operator waits, bounded
+    by the notice's deadline, as for a save still running.
     """
     if report.state in (SaveState.IDLE, SaveState.REQUESTED):
+        return False
+    if report.state == SaveState.COMMITTED and not report.durable:
         return False
     if request_id and report.request_id == request_id:
         return True
     return report.trigger in EMERGENCY_TRIGGERS
+
+
+def commit_tier(reports: Iterable[SidecarStatus | None], step: int) -> str | None:
+    """The tier of the commit of ``step`` as the ranks report it: ``memory+promoted`` when a
+    rank says so (the promotion commits the whole step), else the first tier reported for
+    that step; None when no rank reports one (an SDK before tiers)."""
+    tiers = [
+        r.tier
+        for r in reports
+        if r is not None and r.tier in TIERS and step in (r.step, r.last_committed_step)
+    ]
+    if PROMOTED_TIER in tiers:
+        return PROMOTED_TIER
+    return tiers[0] if tiers else None
+
+
+def _tier(value: Any) -> str | None:
+    return value if isinstance(value, str) and value in TIERS else None
 
 
 def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus]) -> int | None:

@@ -253,7 +253,13 @@ def test_status_declares_every_field_the_operator_writes() -> None:
         "trigger",
         "completedAt",
         "seconds",
+        "tier",
     }
+    assert status["lastCheckpoint"]["properties"]["tier"]["enum"] == [
+        "durable",
+        "memory",
+        "memory+promoted",
+    ]
     assert status["phase"]["enum"] == list(crd.PHASES)
 
 
