@@ -52,15 +52,27 @@ except ModuleNotFoundError as e:
 
 # The window from the notice until the machine is gone, per provider (what the clouds give).
 PROVIDER_GRACE = {"aws": 120, "gke": 30, "karpenter": 120, "autoscaler": 120}
+FAST_SIZE_LIMIT = "64Mi"
+"""The memory tier's emptyDir for tinylm (``checkpoint.fastSizeLimit``)."""
 
 
 # --------------------------------------------------------------------------- the job
 
 
 def tinylm_job(
-    cfg: DemoConfig, uri: str, storage_env: list[dict[str, Any]], loss_log: Path
+    cfg: DemoConfig,
+    uri: str,
+    storage_env: list[dict[str, Any]],
+    loss_log: Path,
+    fast_every_steps: int | None = None,
 ) -> dict[str, Any]:
-    """The TrainingJob: 2 pods of ``examples/tinylm/train.py`` on spot nodes, restricted-ready."""
+    """The TrainingJob: 2 pods of ``examples/tinylm/train.py`` on spot nodes, restricted-ready;
+    with ``fast_every_steps``, the memory tier on (a snapshot in pod memory, replicated to the
+    other pod, every that many steps)."""
+    checkpoint: dict[str, Any] = {"uri": uri, "everySteps": cfg.every_steps, "keepLast": 3}
+    if fast_every_steps is not None:
+        # tinylm's whole state is a few MiB: room for two snapshots and a peer's two.
+        checkpoint |= {"fastEverySteps": fast_every_steps, "fastSizeLimit": FAST_SIZE_LIMIT}
     env = [
         {"name": "TINYLM_LOG", "value": str(loss_log)},
         {"name": "TINYLM_STEP_SLEEP", "value": str(cfg.step_sleep)},
@@ -74,7 +86,7 @@ def tinylm_job(
         command=["python", str(TRAIN), "--steps", str(cfg.steps)],
         env=env,
         replicas=2,
-        checkpoint={"uri": uri, "everySteps": cfg.every_steps, "keepLast": 3},
+        checkpoint=checkpoint,
         # A preemption never counts as a failure; 0 makes a miscounted one fail loudly.
         failure_policy={
             "maxFailures": cfg.preemptions if cfg.kill_node else 0,
@@ -154,6 +166,9 @@ def report(cfg: DemoConfig, data: dict[str, Any], events: list[str]) -> str:
             f"{r['steps_lost']} | {_fmt(r['restore_s'])} | {_fmt(r['downtime_s'])} |"
         )
     verdict = "BITWISE EQUAL" if data["bitwise_equal"] else "DIFFERENT"
+    memory = data.get("memory_tier")
+    if memory:
+        lines += ["", *_comparison(cfg, data, memory)]
     lines += [
         "",
         f"- steps lost in total: **{data['steps_lost']}**",
@@ -176,6 +191,35 @@ def report(cfg: DemoConfig, data: dict[str, Any], events: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _comparison(cfg: DemoConfig, durable: dict[str, Any], memory: dict[str, Any]) -> list[str]:
+    """The same job and the same loss, today's path beside the memory tier's."""
+    lines = [
+        f"## The same node loss with the memory tier (fastEverySteps {cfg.fast_every_steps})",
+        "",
+        "| path | final phase | restored from | steps lost | restore | to first new step | "
+        "pods replaced | weights |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, d in (("durable checkpoints only", durable), ("memory tier", memory)):
+        rows = d["interruptions"]
+        restored = ", ".join(f"step {r['resumed_step']} ({r['checkpoint_trigger']})" for r in rows)
+        to_first = ", ".join(_fmt(r["to_first_step_s"]) for r in rows)
+        restore = ", ".join(_fmt(r["restore_s"]) for r in rows)
+        verdict = "bitwise equal" if d["bitwise_equal"] else "DIFFERENT"
+        lines.append(
+            f"| {name} | {d['phase']} | {restored} | {d['steps_lost']} | {restore} | "
+            f"{to_first} | {d.get('pods_replaced', 'n/a')} | {verdict} |"
+        )
+    lines += [
+        "",
+        "To first new step: from the node's loss to the first training step after the resume. "
+        "Today's path restarts every pod and reloads the last periodic checkpoint; the memory "
+        "tier replaces only the lost pod, and the ranks load the newest snapshot, the lost "
+        "rank's from its replica in the other pod's memory.",
+    ]
+    return lines
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -183,7 +227,18 @@ def parse(argv: list[str] | None) -> DemoConfig:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--provider", choices=sorted(PROVIDER_GRACE), default="aws")
     p.add_argument("--preemptions", type=int, default=1)
-    p.add_argument("--kill-node", action="store_true", help="lose the node with no notice")
+    p.add_argument(
+        "--kill-node",
+        action="store_true",
+        help="lose the node with no notice; the job then runs twice, without and with the "
+        "memory tier, and the report compares them",
+    )
+    p.add_argument(
+        "--fast-every-steps",
+        type=int,
+        default=DemoConfig.fast_every_steps,
+        help="with --kill-node: the second run's memory-tier interval (0: only the first run)",
+    )
     p.add_argument("--storage", choices=["s3", "file"], default="s3")
     p.add_argument("--out", type=Path, default=Path("demo-out"))
     p.add_argument("--steps", type=int, default=DemoConfig.steps)
@@ -198,6 +253,7 @@ def parse(argv: list[str] | None) -> DemoConfig:
     return DemoConfig(
         provider=cast(Provider, a.provider), preemptions=a.preemptions, kill_node=a.kill_node,
         storage=a.storage, out=a.out, steps=a.steps, every_steps=a.every_steps,
+        fast_every_steps=a.fast_every_steps or None,
         step_sleep=a.step_sleep, timeout=a.timeout,
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ It is importable from the project's ``.venv`` (``make venv`` names ``tests/`` in
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -92,6 +93,10 @@ class DemoConfig:
     """How many notices (or node losses), one per attempt."""
     kill_node: bool = False
     """Lose the node without notice instead (restore from the last periodic checkpoint)."""
+    fast_every_steps: int | None = 1
+    """With ``kill_node``: run the job a second time with the memory tier on
+    (``checkpoint.fastEverySteps``), interrupted the same way, and report both paths side by
+    side. None: only today's path."""
     storage: str = "s3"
     """Checkpoints in the demo's S3 server (s3) or on the local filesystem (file)."""
     out: Path = Path("demo-out")
@@ -123,8 +128,9 @@ class Interruption:
     last_step_before: int = 0
 
 
-JobBuilder = Callable[[str, list[dict[str, Any]], Path], dict[str, Any]]
-"""Builds the TrainingJob from the checkpoint URI, the trainer's storage env and the loss log."""
+JobBuilder = Callable[[str, list[dict[str, Any]], Path, int | None], dict[str, Any]]
+"""Builds the TrainingJob from the checkpoint URI, the trainer's storage env, the loss log and
+the memory tier's interval (``checkpoint.fastEverySteps``; None: no memory tier)."""
 Interrupt = Callable[[LocalCluster, str, int, int], str]
 """Takes a node away (cluster, node, rank, step) and names what it did ("aws notice")."""
 Report = Callable[["DemoConfig", dict[str, Any], list[str]], str]
@@ -243,6 +249,32 @@ class Demo:
         self.saved_events: list[str] = []
         self._notices: dict[float, dict[str, Any]] = {}
         self._stop = threading.Event()
+        self.label = "durable"
+        self.job_uid = ""
+        """Which path this run shows: ``durable`` (today's) or ``memory`` (the memory tier)."""
+
+    def next_run(self, label: str) -> Demo:
+        """Keep this run's record (returned) and start the next one on the same cluster: a
+        fresh record, its own loss log, and the last run's TrainingJob deleted with its pods."""
+        done = copy.copy(self)
+        self.delete_job()
+        self.label = label
+        self.loss_log = self.out / f"loss-{label}.jsonl"
+        self.interruptions, self.phases, self.saved_events = [], [], []
+        self.final_status, self._notices, self.job_uid = {}, {}, ""
+        return done
+
+    def delete_job(self) -> None:
+        assert self.cluster is not None
+        self.cluster.kubectl(
+            "delete", "trainingjob", JOB, "-n", JOB_NS, "--wait", "--timeout", "120s"
+        )
+        deadline = time.monotonic() + 120
+        core = kubernetes.client.CoreV1Api(self.cluster.api)
+        while core.list_namespaced_pod(JOB_NS, label_selector=f"baton.dev/job={JOB}").items:
+            if time.monotonic() > deadline:
+                raise DemoError(f"the first run's pods are still there\n{self.diagnostics()}")
+            time.sleep(1)
 
     # -- setup
 
@@ -379,9 +411,11 @@ class Demo:
     def events(self) -> list[str]:
         assert self.cluster is not None
         core = kubernetes.client.CoreV1Api(self.cluster.api)
-        items: list[Any] = core.list_namespaced_event(
-            JOB_NS, field_selector=f"involvedObject.name={JOB},involvedObject.kind=TrainingJob"
-        ).items
+        # This run's job only: a second run re-creates the job under the same name.
+        fields = f"involvedObject.name={JOB},involvedObject.kind=TrainingJob"
+        if self.job_uid:
+            fields += f",involvedObject.uid={self.job_uid}"
+        items: list[Any] = core.list_namespaced_event(JOB_NS, field_selector=fields).items
         items.sort(
             key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp)
         )
@@ -448,6 +482,9 @@ class Demo:
         watcher.start()
         self._threads.append(watcher)
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+        api = kubernetes.client.CustomObjectsApi(self.cluster.api)
+        obj = api.get_namespaced_custom_object(GROUP, VERSION, JOB_NS, PLURAL, JOB)
+        self.job_uid = str(cast(dict[str, Any], obj)["metadata"]["uid"])
         replicas = manifest["spec"]["replicas"]
         say(f"job: TrainingJob {JOB_NS}/{JOB} applied ({replicas} replicas, {cfg.steps} steps)")
         targets = list(at_steps)
@@ -481,6 +518,19 @@ class Demo:
                 if attempt >= len(self.interruptions) and not pending.committed:
                     pending.committed = dict(last)
                     pending.last_step_before = step
+                if pending.resumed_step is None:
+                    # A recovery that keeps the survivors stays in the same attempt: the
+                    # trainers' first start after the interruption says it resumed.
+                    self._fill_resume(pending)
+                if not pending.committed:
+                    # ... and the operator's record of it names the step and tier restored.
+                    recovery = status.get("lastRecovery") or {}
+                    decided = _ts(recovery.get("startedAt"))
+                    if decided is not None and decided >= pending.injected_at - 5:
+                        pending.committed = {
+                            "step": recovery.get("restoredStep"),
+                            "trigger": recovery.get("tier"),
+                        }
                 if pending.resumed_step is None and not pending.committed and now - last_print > 2:
                     waited = time.time() - pending.injected_at
                     what = (
@@ -496,7 +546,10 @@ class Demo:
             if phase in ("Succeeded", "Failed"):
                 break
             k = len(self.interruptions)
-            ready = phase == "Running" and attempt == k and k < len(targets)
+            # The next interruption once the job trains again after the last one (a new
+            # attempt, or the same attempt after a recovery that kept the survivors).
+            resumed = k == 0 or self.interruptions[-1].resumed_step is not None
+            ready = phase == "Running" and resumed and k < len(targets)
             if ready and step >= targets[k]:
                 self._interrupt(rank=1 - k % 2, attempt=attempt, take_node=interrupt)
             time.sleep(0.5)
@@ -596,6 +649,7 @@ def measure(demo: Demo, ref_sha: str, started: float) -> dict[str, Any]:
                 "steps_lost": lost,
                 "restore_s": ev.restore_seconds,
                 "downtime_s": (ev.resumed_at - ev.injected_at) if ev.resumed_at else None,
+                "to_first_step_s": _first_step_after(log, ev),
             }
         )
     # The operator's own notice-to-commit figure (its status times are whole seconds).
@@ -608,7 +662,11 @@ def measure(demo: Demo, ref_sha: str, started: float) -> dict[str, Any]:
                     r["margin_s"] = r["notice_lead_s"] - float(m[2])
     steps_lost = sum(r["steps_lost"] or 0 for r in rows)
     equal = sha is not None and sha == ref_sha
+    recovery = status.get("lastRecovery") or {}
     return {
+        "path": demo.label,
+        # A recovery that kept the survivors names the pods it replaced; a restart replaces all.
+        "pods_replaced": len(recovery.get("replaced") or []) if recovery else "all",
         "provider": cfg.provider,
         "kill_node": cfg.kill_node,
         "storage": cfg.storage,
@@ -623,6 +681,14 @@ def measure(demo: Demo, ref_sha: str, started: float) -> dict[str, Any]:
         "bitwise_equal": equal,
         "wall_seconds": time.monotonic() - started,
     }
+
+
+def _first_step_after(log: list[dict[str, Any]], ev: Interruption) -> float | None:
+    """Seconds from the interruption to the first training step after the resume."""
+    if ev.resumed_at is None:
+        return None
+    later = [float(e["time"]) for e in log if "loss" in e and float(e["time"]) > ev.resumed_at]
+    return min(later) - ev.injected_at if later else None
 
 
 def plot(demo: Demo, ref_log: list[dict[str, Any]], path: Path) -> None:
@@ -704,14 +770,35 @@ def run_demo(
         demo.namespaces()
         uri, storage_env = demo.start_storage()
         demo.install_operator()
-        demo.run_job(job(uri, storage_env, demo.loss_log), at_steps=at_steps, interrupt=interrupt)
-        demo.saved_events = demo.events()
-        (demo.out / "events.txt").write_text("\n".join(demo.saved_events) + "\n")
+        runs: list[Demo] = []
+        # Today's path, then (a node lost without notice) the same job with the memory tier.
+        paths = [("durable", None)]
+        if cfg.kill_node and cfg.fast_every_steps:
+            paths.append(("memory", cfg.fast_every_steps))
+        for i, (label, fast) in enumerate(paths):
+            if i:
+                say(f"job: again, with the memory tier (fastEverySteps {fast}), on the same nodes")
+                runs.append(demo.next_run(label))
+            # Each run its own checkpoints: the second must not resume from the first's.
+            run_uri = uri if fast is None else f"{uri}-{label}"
+            demo.run_job(
+                job(run_uri, storage_env, demo.loss_log, fast),
+                at_steps=at_steps,
+                interrupt=interrupt,
+            )
+            demo.saved_events = demo.events()
+            suffix = "" if label == "durable" else f"-{label}"
+            (demo.out / f"events{suffix}.txt").write_text("\n".join(demo.saved_events) + "\n")
+        runs.append(demo)
         demo.close()  # frees the CPU for the reference run
         ref_sha, ref_log = reference_run(cfg)
-        data = measure(demo, ref_sha, started)
-        text = report(cfg, data, demo.saved_events)
-        plot(demo, ref_log, demo.out / "loss.png")
+        data = measure(runs[0], ref_sha, started)
+        if len(runs) > 1:
+            data["memory_tier"] = measure(runs[1], ref_sha, started)
+        text = report(cfg, data, runs[0].saved_events)
+        for run in runs:
+            suffix = "" if run.label == "durable" else f"-{run.label}"
+            plot(run, ref_log, demo.out / f"loss{suffix}.png")
     except KeyboardInterrupt:
         say("interrupted")
         return 130
@@ -724,10 +811,12 @@ def run_demo(
     (demo.out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
     print("\n" + text)
     say(f"report: {demo.out / 'report.md'}, plot: {demo.out / 'loss.png'}")
-    ok = data["phase"] == "Succeeded" and data["bitwise_equal"]
-    if not ok:
-        say(
-            "FAILED: "
-            + ("the job did not Succeed" if data["phase"] != "Succeeded" else "weights differ")
-        )
+    ok = all(
+        d["phase"] == "Succeeded" and d["bitwise_equal"]
+        for d in (data, data.get("memory_tier") or data)
+    )
+    for d in (data, data.get("memory_tier") or data):
+        if d["phase"] != "Succeeded" or not d["bitwise_equal"]:
+            why = "the job did not Succeed" if d["phase"] != "Succeeded" else "weights differ"
+            say(f"FAILED ({d['path']} path): {why}")
     return 0 if ok else 1

@@ -142,3 +142,74 @@ def test_a_lost_node_counts_the_steps_trained_after_the_last_periodic_save(
     assert "- interruption: kill-node (no notice) x 1" in text
     assert "| n/a | n/a | n/a | n/a | step 10 (periodic) | 10 | 5 | 0.7 s |" in text
     assert "- verdict: **DIFFERENT**" in text
+
+
+def test_a_lost_node_with_the_memory_tier_is_reported_beside_todays_path(
+    tmp_path: Path, example: ModuleType
+) -> None:
+    """``--kill-node`` runs the job twice: the report puts the memory tier's recovery (the
+    same attempt, one pod replaced, resumed from the snapshot of the step before the loss)
+    beside today's (every pod restarted from the periodic checkpoint)."""
+    cfg = DemoConfig(out=tmp_path / "out", steps=30, every_steps=10, kill_node=True)
+    durable = Demo(cfg)
+    _log(
+        durable.loss_log,
+        [
+            *_losses(range(1, 16), 0, 1000.0),
+            {"event": "start", "step": 10, "attempt": 1, "restore_seconds": 0.7, "time": 1050.0},
+            *_losses(range(11, 31), 1, 1040.0),
+            {"event": "done", "step": 30, "sha256": "f00d"},
+        ],
+    )
+    lost = Interruption(kind="kill-node", node="node-1", rank=1, at_step=15, injected_at=1015.5)
+    lost.committed = {"step": 10, "trigger": "periodic"}
+    durable.interruptions = [lost]
+    durable._fill_resume(lost)
+    durable.final_status = {"phase": "Succeeded", "preemptions": 0, "failures": 1}
+
+    # The memory-tier run: the survivors restart in place in attempt 0 and load step 15's
+    # snapshot (rank 1's from its replica); the first new step comes 9.5 s after the loss.
+    memory = Demo(cfg)
+    memory.label = "memory"
+    memory.loss_log = memory.out / "loss-memory.jsonl"
+    _log(
+        memory.loss_log,
+        [
+            *_losses(range(1, 16), 0, 2000.0),
+            {"event": "start", "step": 15, "attempt": 0, "restore_seconds": 0.2, "time": 2024.0},
+            *_losses(range(16, 31), 0, 2009.0),
+            {"event": "done", "step": 30, "sha256": "f00d"},
+        ],
+    )
+    again = Interruption(kind="kill-node", node="node-2", rank=1, at_step=15, injected_at=2015.5)
+    again.committed = {"step": 15, "trigger": "memory"}
+    memory.interruptions = [again]
+    memory._fill_resume(again)
+    memory.final_status = {
+        "phase": "Succeeded",
+        "preemptions": 1,
+        "failures": 0,
+        "lastRecovery": {"replaced": [{"rank": 1}], "restoredStep": 15, "tier": "memory"},
+    }
+
+    data = measure(durable, "f00d", started=0.0)
+    data["memory_tier"] = measure(memory, "f00d", started=0.0)
+
+    assert data["steps_lost"] == 5
+    assert data["pods_replaced"] == "all"
+    fast = data["memory_tier"]
+    (row,) = fast["interruptions"]
+    assert (row["last_step_before"], row["resumed_step"], row["steps_lost"]) == (15, 15, 0)
+    assert row["to_first_step_s"] == pytest.approx(2025.0 - 2015.5)
+    assert (fast["path"], fast["pods_replaced"], fast["bitwise_equal"]) == ("memory", 1, True)
+
+    text = example.report(cfg, data, [])
+    assert "## The same node loss with the memory tier (fastEverySteps 1)" in text
+    assert (
+        "| durable checkpoints only | Succeeded | step 10 (periodic) | 5 | 0.7 s | 35.5 s | all "
+        "| bitwise equal |"
+    ) in text
+    assert (
+        "| memory tier | Succeeded | step 15 (memory) | 0 | 0.2 s | 9.5 s | 1 | bitwise equal |"
+        in (text)
+    )
