@@ -40,6 +40,7 @@ __all__ = [
     "JOB_LABEL",
     "KUEUE_GROUP_COUNT_ANNOTATION",
     "KUEUE_GROUP_LABEL",
+    "KUEUE_RETRIABLE_ANNOTATION",
     "MANAGED_BY_LABEL",
     "RANK_LABEL",
     "SIDECAR_NAME",
@@ -75,6 +76,11 @@ KUEUE_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
 admission); read from Kueue's ``pkg/controller/jobs/pod/constants`` (docs/operator.md)."""
 KUEUE_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
 """How many pods the group has: Kueue admits none of them before it sees this many."""
+KUEUE_RETRIABLE_ANNOTATION: Final = "kueue.x-k8s.io/retriable-in-group"
+"""``"false"`` on every pod: Kueue finishes the group's Workload (and takes its finalizer off
+the pods) once none of them runs, whatever their phase. Without it Kueue finishes a group only
+when every pod Succeeded and keeps a failed or deleted pod until a replacement joins the group,
+so an attempt that Baton ends (a restart) would keep its pods, and the job, forever."""
 _MAX_LABEL_VALUE: Final = 63
 POD_GROUP_API_GROUP: Final = "scheduling.k8s.io"
 POD_GROUP_VERSION: Final = "v1beta1"
@@ -693,6 +699,7 @@ def pod_manifest(
         labels.update(spec.queue_labels)
         labels[KUEUE_GROUP_LABEL] = kueue_group(spec.name, attempt)
         annotations[KUEUE_GROUP_COUNT_ANNOTATION] = str(replicas)
+        annotations[KUEUE_RETRIABLE_ANNOTATION] = "false"  # an attempt is never retried
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -360,7 +360,11 @@ def test_kueue_metadata_joins_the_templates_own_and_names_the_attempts_group() -
     assert meta["labels"]["team"] == "a", "the template's labels stay"
     assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert meta["labels"][manifests.KUEUE_GROUP_LABEL] == "tiny-a3"
-    assert meta["annotations"] == {"note": "x", manifests.KUEUE_GROUP_COUNT_ANNOTATION: "2"}
+    assert meta["annotations"] == {
+        "note": "x",
+        manifests.KUEUE_GROUP_COUNT_ANNOTATION: "2",
+        manifests.KUEUE_RETRIABLE_ANNOTATION: "false",
+    }
     # A label value has at most 63 characters: a long job name keeps its head and a digest,
     # distinct per attempt.
     long = "j" * 80
