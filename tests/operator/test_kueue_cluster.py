@@ -314,3 +314,5 @@ def _evicted_job_checkpoints_and_resumes(baton: Baton, kueue: Kueue, job: str) -
     )  # fmt: skip
     for pod in _pods(baton, job):
         assert pod["metadata"]["labels"]["baton.dev/attempt"] == "1", diag()
+    baton.cluster.kubectl("delete", "trainingjob", job, "-n", NAMESPACE, "--wait=false")
+    poll(lambda: _pods(baton, job) == [], timeout=90, what="the job's pods gone", diag=diag)
