@@ -19,8 +19,9 @@ Every write is an update with the Lease's ``resourceVersion``: of two standbys r
 expired Lease, one gets ``409 Conflict`` and stays standby. The active operator renews with one
 request, not two: it replaces the Lease guarded by the resourceVersion of its own last write
 (a conflict means someone else wrote: it then reads the Lease as a standby would). On an API
-server slowed by load, each renewal then waits for one answer within the renew deadline. A stopping operator releases the
-Lease (empty holder), so a rollout hands over without waiting for expiry.
+server slowed by load, each renewal then waits for one answer within the renew deadline. A
+stopping operator releases the Lease (empty holder), so a rollout hands over without waiting
+for expiry.
 
 This is a client-layer module: it is the only code that touches Leases, and it declares its
 RBAC permissions in :data:`PERMISSIONS` (rbac.py grants them in the operator's namespace only,
