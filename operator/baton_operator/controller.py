@@ -83,6 +83,26 @@ def _is_dns_name(address: str | None) -> bool:
     return False
 
 
+def _lost_pod(t: Tick, rank: int) -> dict[str, Any]:
+    """A lost pod as a recovery records it: rank, name, UID and node (empty when already gone)."""
+    pod = t.current.get(rank)
+    return {
+        "rank": rank,
+        "pod": manifests.pod_name(t.spec.name, t.status.attempt, rank),
+        "uid": pod.uid if pod else "",
+        "node": pod.node if pod else None,
+    }
+
+
+def _interruption(t: Tick, cause: economics.Cause, *, resume_step: int | None) -> dict[str, Any]:
+    """The interruption-history entry of an interruption of this tick's attempt."""
+    return economics.entry(
+        cause, attempt=t.status.attempt, resume_step=resume_step,
+        progress=economics.progress(t.memory.reports.values()),
+        gpus=economics.gpus(t.current.values()), now=t.now,
+    )  # fmt: skip
+
+
 def _last_commit_time(job: Mapping[str, Any], status: JobStatus) -> float:
     """Unix time of the job's newest known commit; its creation time when it has none.
 
@@ -395,11 +415,7 @@ class Reconciler:
         record = None
         costs: dict[str, Any] = {}
         if cause is not None and kind in ("preemption", "failure"):
-            record = economics.entry(
-                cause, attempt=status.attempt, resume_step=plan.resume_step,
-                progress=economics.progress(t.memory.reports.values()),
-                gpus=economics.gpus(t.current.values()), now=now,
-            )  # fmt: skip
+            record = _interruption(t, cause, resume_step=plan.resume_step)
             raw: Mapping[str, Any] = t.job.get("status") or {}
             costs = {
                 "interruptions": economics.appended(raw.get("interruptions") or [], record),
@@ -507,21 +523,10 @@ class Reconciler:
         failures = status.failures + 1
         if failures > spec.max_failures:
             return False
-        replaced: list[dict[str, Any]] = []
-        for rank in plan.replace:
-            pod = t.current.get(rank)
-            name = manifests.pod_name(spec.name, status.attempt, rank)
-            replaced.append(
-                {"rank": rank, "pod": name, "uid": pod.uid if pod else "",
-                 "node": pod.node if pod else None}
-            )  # fmt: skip
+        replaced = [_lost_pod(t, rank) for rank in plan.replace]
         kept = [t.current[r].name for r in plan.keep if r in t.current]
         cause = economics.Cause(source="node-lost" if plan.nodes else "failure", nodes=plan.nodes)
-        record = economics.entry(
-            cause, attempt=status.attempt, resume_step=status.resume_step,
-            progress=economics.progress(t.memory.reports.values()),
-            gpus=economics.gpus(t.current.values()), now=now,
-        )  # fmt: skip
+        record = _interruption(t, cause, resume_step=status.resume_step)
         raw: Mapping[str, Any] = t.job.get("status") or {}
         names = ", ".join(e["pod"] for e in replaced)
         message = (
@@ -632,13 +637,7 @@ class Reconciler:
         counted once, while a survivor remains; the restore has not ended (it needs every
         rank), so it simply waits for these too."""
         spec, status = t.spec, t.status
-        added: list[dict[str, Any]] = []
-        for v in sorted(more, key=lambda v: v.rank):
-            pod = t.current.get(v.rank)
-            added.append(
-                {"rank": v.rank, "pod": manifests.pod_name(spec.name, status.attempt, v.rank),
-                 "uid": pod.uid if pod else "", "node": pod.node if pod else None}
-            )  # fmt: skip
+        added = [_lost_pod(t, v.rank) for v in sorted(more, key=lambda v: v.rank)]
         gone = {e["pod"] for e in added}
         nodes = sorted(
             set(recovery.get("nodes") or []) | {str(e["node"]) for e in added if e["node"]}
