@@ -7,6 +7,7 @@ and log; the log is checked for the token at the end of each test.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -161,4 +162,54 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "c
         time.sleep(0.05)
 
 
-__all__ = ["SIDECAR_BIN", "TOKEN", "SidecarProcess", "wait_for"]
+__all__ = [
+    "SIDECAR_BIN",
+    "TOKEN",
+    "SidecarProcess",
+    "pod_dir",
+    "replicating_sidecar",
+    "ring_peers",
+    "start_ring",
+    "wait_for",
+]
+
+
+# -- pods of one job whose sidecars replicate memory snapshots to each other (a ring)
+
+
+def pod_dir(tmp: Path, k: int) -> Path:
+    """The directory of pod ``k`` (its sidecar's control files, its ``fast`` memory tier)."""
+    return tmp / f"pod{k}"
+
+
+def replicating_sidecar(tmp: Path, k: int) -> SidecarProcess:
+    """A sidecar for pod ``k`` on its (possibly emptied) directories, not started: its memory
+    tier in ``<pod_dir>/fast`` and ``node-<k>`` as its failure domain."""
+    d = pod_dir(tmp, k)
+    d.mkdir(exist_ok=True)
+    p = SidecarProcess(d)
+    p.env.update({"BATON_FAST_DIR": str(d / "fast"), "BATON_FAILURE_DOMAIN": f"node-{k}"})
+    return p
+
+
+def ring_peers(pods: list[SidecarProcess], k: int) -> list[dict[str, str]]:
+    """Ring order after pod ``k``: its replica target first."""
+    n = len(pods)
+    return [{"address": pods[(k + i) % n].url, "domain": f"node-{(k + i) % n}"} for i in (1, 2)]
+
+
+def start_ring(pods: list[SidecarProcess], ks: list[int]) -> None:
+    """Start the sidecars ``ks`` with their ring peers; every other (running) sidecar learns
+    the new addresses through ``PUT /v1/replication/peers``, as the operator tells it."""
+    for k in ks:
+        pods[k].env["BATON_REPLICATION_PEERS"] = json.dumps(ring_peers(pods, k))
+        pods[k].start()
+    for k in range(len(pods)):
+        if k not in ks:
+            r = requests.put(
+                f"{pods[k].url}/v1/replication/peers",
+                json={"peers": ring_peers(pods, k)},
+                headers=pods[k].headers(),
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text

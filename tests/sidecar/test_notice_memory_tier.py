@@ -23,17 +23,22 @@ far slower than a snapshot plus its replication and decides from those measureme
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 from baton_testing import exactness, trainer
-from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
+from baton_testing.sidecar_process import (
+    TOKEN,
+    SidecarProcess,
+    pod_dir,
+    replicating_sidecar,
+    start_ring,
+    wait_for,
+)
 
 import trainer_sdk
 from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
@@ -44,38 +49,6 @@ RATE = 4096.0
 """Bytes per second of the durable tier: a few seconds per durable save of this trainer."""
 SHORT_NOTICE = 16
 LONG_NOTICE = 22
-
-
-def _pod_dir(tmp: Path, k: int) -> Path:
-    return tmp / f"pod{k}"
-
-
-def _sidecar(tmp: Path, k: int) -> SidecarProcess:
-    d = _pod_dir(tmp, k)
-    d.mkdir(exist_ok=True)
-    p = SidecarProcess(d)
-    p.env.update({"BATON_FAST_DIR": str(d / "fast"), "BATON_FAILURE_DOMAIN": f"node-{k}"})
-    return p
-
-
-def _peers_of(pods: list[SidecarProcess], k: int) -> list[dict[str, str]]:
-    n = len(pods)
-    return [{"address": pods[(k + i) % n].url, "domain": f"node-{(k + i) % n}"} for i in (1, 2)]
-
-
-def _start(pods: list[SidecarProcess], ks: list[int]) -> None:
-    for k in ks:
-        pods[k].env["BATON_REPLICATION_PEERS"] = json.dumps(_peers_of(pods, k))
-        pods[k].start()
-    for k in range(len(pods)):
-        if k not in ks:  # a survivor learns the new pod's address, as the operator tells it
-            r = requests.put(
-                f"{pods[k].url}/v1/replication/peers",
-                json={"peers": _peers_of(pods, k)},
-                headers=pods[k].headers(),
-                timeout=30,
-            )
-            assert r.status_code == 200, r.text
 
 
 def _status(pod: SidecarProcess) -> dict[str, Any]:
@@ -140,8 +113,8 @@ def test_a_short_notice_commits_to_memory_is_promoted_and_survives_the_pods_loss
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ref = exactness.reference(tmp_path_factory.mktemp("reference-ddp-3"), world=WORLD)
-    pods = [_sidecar(tmp_path, k) for k in range(WORLD)]
-    _start(pods, list(range(WORLD)))
+    pods = [replicating_sidecar(tmp_path, k) for k in range(WORLD)]
+    start_ring(pods, list(range(WORLD)))
     ck = tmp_path / "ck"
 
     def args(*extra: str) -> list[str]:
@@ -172,7 +145,7 @@ def test_a_short_notice_commits_to_memory_is_promoted_and_survives_the_pods_loss
             # copied last, is the one rank 0 promotes
             for k in reversed(range(WORLD)):
                 shutil.copytree(
-                    _pod_dir(tmp_path, k) / "fast" / step_dir(SHORT_NOTICE),
+                    pod_dir(tmp_path, k) / "fast" / step_dir(SHORT_NOTICE),
                     kept,
                     dirs_exist_ok=True,
                 )
@@ -186,14 +159,14 @@ def test_a_short_notice_commits_to_memory_is_promoted_and_survives_the_pods_loss
             pods[1].stop()
             run.kill_all()
             for sub in ("fast", "control"):
-                shutil.rmtree(_pod_dir(tmp_path, 1) / sub, ignore_errors=True)
-            pods[1] = _sidecar(tmp_path, 1)
+                shutil.rmtree(pod_dir(tmp_path, 1) / sub, ignore_errors=True)
+            pods[1] = replicating_sidecar(tmp_path, 1)
         assert tiers == ["memory"] * WORLD, tiers
         out0 = run.outputs[0].read_text(errors="replace")
         assert "committing to the memory tier, then promoting it" in out0, out0
 
         # -- 2. the noticed pod replaced: resume from its replica, promoted; a long notice
-        _start(pods, [1])
+        start_ring(pods, [1])
         run = trainer.launch(
             WORLD,
             args("--request-at", str(LONG_NOTICE), "--request-deadline", "600"),

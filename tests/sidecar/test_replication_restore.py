@@ -18,54 +18,25 @@ One chain, checked against the uninterrupted run:
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
-import requests
 from baton_testing import exactness, trainer
-from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
+from baton_testing.sidecar_process import (
+    TOKEN,
+    SidecarProcess,
+    pod_dir,
+    replicating_sidecar,
+    start_ring,
+    wait_for,
+)
 
 import trainer_sdk
 
 WORLD = 3
 RANK1 = f"w{WORLD}-r1"
-
-
-def _pod_dir(tmp: Path, k: int) -> Path:
-    return tmp / f"pod{k}"
-
-
-def _sidecar(tmp: Path, k: int) -> SidecarProcess:
-    """A sidecar for pod ``k`` on its (possibly emptied) directories, not started."""
-    d = _pod_dir(tmp, k)
-    d.mkdir(exist_ok=True)
-    p = SidecarProcess(d)
-    p.env.update({"BATON_FAST_DIR": str(d / "fast"), "BATON_FAILURE_DOMAIN": f"node-{k}"})
-    return p
-
-
-def _peers_of(pods: list[SidecarProcess], k: int) -> list[dict[str, str]]:
-    """Ring order after pod k: its replica target first."""
-    n = len(pods)
-    return [{"address": pods[(k + i) % n].url, "domain": f"node-{(k + i) % n}"} for i in (1, 2)]
-
-
-def _start(pods: list[SidecarProcess], ks: list[int]) -> None:
-    for k in ks:
-        pods[k].env["BATON_REPLICATION_PEERS"] = json.dumps(_peers_of(pods, k))
-        pods[k].start()
-    for k in range(len(pods)):
-        if k not in ks:  # a survivor learns the new addresses, as the operator will tell it
-            r = requests.put(
-                f"{pods[k].url}/v1/replication/peers",
-                json={"peers": _peers_of(pods, k)},
-                headers=pods[k].headers(),
-                timeout=30,
-            )
-            assert r.status_code == 200, r.text
 
 
 def _replica_step(holder: SidecarProcess, source: str) -> int | None:
@@ -94,8 +65,8 @@ def _lose(pods: list[SidecarProcess], run: trainer.TrainerRun, tmp: Path, ks: li
     run.kill_all()
     for k in ks:
         for sub in ("fast", "control"):
-            shutil.rmtree(_pod_dir(tmp, k) / sub, ignore_errors=True)
-        pods[k] = _sidecar(tmp, k)
+            shutil.rmtree(pod_dir(tmp, k) / sub, ignore_errors=True)
+        pods[k] = replicating_sidecar(tmp, k)
 
 
 def _full_output(run: trainer.TrainerRun, rank: int) -> str:
@@ -116,8 +87,8 @@ def test_a_lost_pod_restores_from_its_peers_replica_and_both_copies_lost_fall_ba
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ref = exactness.reference(tmp_path_factory.mktemp("reference-ddp-3"), world=WORLD)
-    pods = [_sidecar(tmp_path, k) for k in range(WORLD)]
-    _start(pods, list(range(WORLD)))
+    pods = [replicating_sidecar(tmp_path, k) for k in range(WORLD)]
+    start_ring(pods, list(range(WORLD)))
 
     def args(sleep: float) -> list[str]:
         # the sleep (not part of the state) keeps each phase's window to act in a few
@@ -148,7 +119,7 @@ def test_a_lost_pod_restores_from_its_peers_replica_and_both_copies_lost_fall_ba
         replica = _replica_step(pods[2], RANK1)
         assert replica is not None
         assert replica >= 13
-        _start(pods, [1])
+        start_ring(pods, [1])
         run = trainer.launch(WORLD, args(1.0), workdir=tmp_path / "out")
         try:
 
@@ -169,7 +140,7 @@ def test_a_lost_pod_restores_from_its_peers_replica_and_both_copies_lost_fall_ba
         durable = trainer_sdk.latest_step(str(tmp_path / "ck"))
         assert durable is not None
         assert durable >= 20
-        _start(pods, [1, 2])
+        start_ring(pods, [1, 2])
         fill0 = pods[0].status().json()["replication"]["last_fill"]
         assert fill0["step"] == replica, fill0
         assert fill0["bytes"] > 0, fill0
