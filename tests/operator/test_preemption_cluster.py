@@ -102,7 +102,13 @@ class HintRecorder:
                 f"hints seen on {sorted(hinted)} of attempt 0's {sorted(first)} "
                 f"({sorted(elsewhere)} off the noticed node {noticed_node})"
             )
-        for pod in sorted(first):
+        return found + self.leftovers()
+
+    def leftovers(self) -> list[str]:
+        """Hints that outlived their reason: an attempt-0 pod that still carried them when last
+        seen, or a pod of a later attempt (no notice) that ever had one."""
+        found = []
+        for pod in sorted({pod for _, pod, attempt, _, _ in self.seen if attempt == "0"}):
             last = [h for _, name, _, _, h in self.seen if name == pod][-1]
             if last:
                 found.append(f"{pod} still carried {last} when last seen")
