@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -382,16 +382,25 @@ class _Handler(BaseHTTPRequestHandler):
         arrived = time.time()
         op, bucket, key = classify(self.command, url.path, query)
         fault = proxy.pick_fault(op, key, query)
-        status: int | None = None
+        recorded = False
+
+        def record(status: int | None) -> None:
+            # Logged before the client gets any byte of the response: a client that has read its
+            # answer always finds the request in the log.
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                proxy.record(self._seen(op, bucket, key, query, body, status, fault, arrived))
+
         if fault is not None and fault.action in ("stall", "reset", "drop_response", "stall_body"):
             # Logged on arrival: the client may give up and retry before this handler ends.
-            proxy.record(self._seen(op, bucket, key, query, body, None, fault, arrived))
+            record(None)
         try:
             if fault is None:
-                status = self._forward(url, body, truncate=False)
+                self._forward(url, body, truncate=False, before_send=record)
             elif fault.action == "error":
+                record(fault.status)
                 self._send_s3_error(fault.status, fault.code, url.path)
-                status = fault.status
             elif fault.action == "stall":
                 proxy.stop_event.wait(fault.seconds)
                 self.close_connection = True
@@ -402,11 +411,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 stall = fault.seconds if fault.action == "stall_body" else 0.0
-                status = self._forward(url, body, truncate=True, stall=stall)
+                self._forward(url, body, truncate=True, stall=stall, before_send=record)
                 self.close_connection = True
         finally:
-            if fault is None or fault.action in ("error", "truncate_body"):
-                proxy.record(self._seen(op, bucket, key, query, body, status, fault, arrived))
+            record(None)  # the upstream failed before any status: the client got none
 
     def _seen(
         self,
@@ -470,6 +478,7 @@ class _Handler(BaseHTTPRequestHandler):
         truncate: bool,
         send: bool = True,
         stall: float = 0.0,
+        before_send: Callable[[int], None] | None = None,
     ) -> int:
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.proxy.upstream_port)
         try:
@@ -480,6 +489,8 @@ class _Handler(BaseHTTPRequestHandler):
             data = resp.read()
             if not send:
                 return resp.status
+            if before_send is not None:
+                before_send(resp.status)
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in {"connection", "keep-alive", "transfer-encoding", "date"}:
