@@ -282,13 +282,17 @@ def test_rank0_killed_after_all_shards_but_before_the_manifest(tmp_path: Path) -
     _assert_step2_invisible(tmp_path)
 
 
-def _stuck_rank_body(root: str) -> dict[str, Any]:
+def _stuck_rank_body(root: str, released: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if rank == 1:
-        time.sleep(30)  # a hung rank: alive (its sockets open) but never reaches the save
-        return {"error": None}
+        # A hung rank: alive (its sockets open) but never reaches the save, until rank 0's
+        # save has given up (60 s at most: far beyond rank 0's 3 s deadline).
+        end = time.monotonic() + 60
+        while not os.path.exists(released) and time.monotonic() < end:
+            time.sleep(0.05)
+        return {"error": None, "released": os.path.exists(released)}
     t0 = time.monotonic()
     try:
         trainer_sdk.save({"w": torch.ones(4)}, root, step=1, timeout=3)
@@ -300,17 +304,22 @@ def _stuck_rank_body(root: str) -> dict[str, Any]:
             "ranks": list(e.ranks),
             "seconds": time.monotonic() - t0,
         }
+    finally:
+        Path(released).touch()
 
 
 @pytest.mark.e2e
 def test_a_rank_that_never_arrives_times_out_by_name(tmp_path: Path) -> None:
-    group = start_ranks(_stuck_rank_body, 2, args=(str(tmp_path),), timeout=120)
+    root, released = tmp_path / "ck", tmp_path / "rank0-gave-up"
+    group = start_ranks(_stuck_rank_body, 2, args=(str(root), str(released)), timeout=120)
     results = group.wait()
-    r0 = results[0]
+    r0, r1 = results
     assert r0.ok, r0.error or r0.output
     assert r0.value["error"] == "CollectiveTimeoutError"
     assert r0.value["ranks"] == [1]
     assert "no answer within 3 s; rank(s) 1 never arrived" in r0.value["msg"]
-    # bounded: the wait ended at the deadline, long before the stuck rank woke up
+    # bounded: the wait ended at the deadline, while the stuck rank still hung
     assert r0.value["seconds"] < 25
-    assert trainer_sdk.latest_step(str(tmp_path)) is None
+    assert r1.ok, r1.error or r1.output
+    assert r1.value["released"], "rank 1 stopped hanging before rank 0 gave up"
+    assert trainer_sdk.latest_step(str(root)) is None
