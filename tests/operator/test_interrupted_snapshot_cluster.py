@@ -1,0 +1,171 @@
+"""A memory snapshot whose replication was interrupted is never used, on the local cluster.
+
+A 2-pod job snapshots every 5 steps into its pods' memory and each pod's sidecar copies its
+pod's snapshot to the other pod. Once snapshot ``s`` has been copied both ways, and before
+the next snapshot begins, the sidecar of rank 1's pod is frozen (SIGSTOP: a process that
+stops answering, as a hung or swapped-out sidecar would). The next snapshot ``s + 5`` is then
+written completely into both pods' memory, but its copies cannot finish: rank 1's sidecar
+neither sends its pod's snapshot nor receives rank 0's. Rank 1's node is killed in that
+state. The survivor's memory holds a complete snapshot of ``s + 5`` (its own) and the replica
+of rank 1's ``s``: the ranks must restore ``s``, the newest step every rank's data survives
+for, never the newer step whose replication was interrupted, and end bitwise equal to an
+uninterrupted run. (The process-level tests in tests/sdk/test_memory_tier.py and
+tests/sidecar/test_replication.py kill a writer mid-file, a sender and a receiver
+mid-transfer; this is the same rule through the operator's recovery.)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from baton_testing import trainer
+from baton_testing.cluster import LocalCluster
+from baton_testing.operator_harness import NAMESPACE, Baton, poll, unique
+
+from trainer_sdk.layout import step_dir
+
+pytestmark = pytest.mark.cluster
+
+SHARED_OPERATOR = True
+
+STEPS = 40
+REPLICAS = 2
+EVERY = 5
+"""``fastEverySteps``: a gap of several steps between two snapshots, to freeze in."""
+NO_DURABLE = 1000
+"""``everySteps`` past the last step: no durable save before the job's end."""
+MEMORY_ROOT = Path("/dev/shm/localcluster")
+"""Where the node agents put a pod's memory-backed emptyDirs (tests/cluster/README.md)."""
+
+
+def _sidecar_status(pod: dict[str, Any], token: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://{pod['status']['podIP']}:9440/v1/status",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return dict(json.load(resp)["replication"])
+
+
+def _held(status: dict[str, Any], source: str) -> int | None:
+    """The step of the complete replica of ``source`` this sidecar holds (None: none)."""
+    steps = [h["step"] for h in status["held"] if h["source"] == source and h["complete"]]
+    return max(steps, default=None)
+
+
+def _sidecar_pid(cluster: LocalCluster, pod: dict[str, Any]) -> int:
+    for pid in cluster.pod_processes(pod["metadata"]["uid"]):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"baton-sidecar" in cmdline:
+            return pid
+    raise AssertionError(f"no baton-sidecar process of pod {pod['metadata']['name']}")
+
+
+def _trained(out: Path) -> int:
+    """The last step rank 0 logged (it logs a step before its snapshot begins)."""
+    lines = (out / "loss.log").read_text().splitlines() if (out / "loss.log").exists() else []
+    return int(lines[-1].split()[0]) if lines else 0
+
+
+def test_a_snapshot_whose_replication_was_interrupted_is_never_used(
+    baton: Baton, tmp_path: Path
+) -> None:
+    baton.cluster.add_node()
+    job = unique("tj-halfcopy")
+    out = baton.workdir / job
+    manifest = baton.job_manifest(
+        job, steps=STEPS, every_steps=NO_DURABLE, sleep=0.3, replicas=REPLICAS,
+        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
+    )  # fmt: skip
+    manifest["spec"]["checkpoint"].update({"fastEverySteps": EVERY, "fastSizeLimit": "64Mi"})
+    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
+    # The survivor's restarted trainer waits in the rendezvous for the replacement; the SDK
+    # waits for a copy at most half of this, so the frozen copy stays pending until the kill.
+    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
+    applied = baton.apply(manifest)
+    assert applied.returncode == 0, applied.stderr
+    baton.wait_phase(job, "Running", timeout=180)
+    pods = {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}
+    survivor, lost = pods[0], pods[1]
+    assert survivor["spec"]["nodeName"] != lost["spec"]["nodeName"]
+    core = kubernetes.client.CoreV1Api(baton.cluster.api)
+    secret = core.read_namespaced_secret(f"{job}-sidecar-token", NAMESPACE)
+    assert secret.data is not None, f"the job's Secret {secret.metadata} has no data"
+    token = base64.b64decode(secret.data["token"]).decode()
+    pid = _sidecar_pid(baton.cluster, lost)
+    frozen: list[int] = []
+
+    def freeze_between_snapshots() -> bool:
+        """Freeze rank 1's sidecar once snapshot s is copied both ways and s + EVERY has not
+        begun (rank 0 logs a step before its snapshot; the copies start only after every
+        rank's commit): then no copy newer than s can finish."""
+        mine, theirs = _sidecar_status(survivor, token), _sidecar_status(lost, token)
+        s = mine.get("last_replicated_step")
+        if not s or theirs.get("last_replicated_step") != s:
+            return False
+        if _held(mine, "w2-r1") != s or _held(theirs, "w2-r0") != s:
+            return False
+        if _trained(out) >= s + EVERY - 1:
+            return False  # too close to the next snapshot: wait for it to be copied
+        os.kill(pid, signal.SIGSTOP)
+        if _trained(out) >= s + EVERY:
+            os.kill(pid, signal.SIGCONT)  # the next snapshot may have begun: try again
+            return False
+        frozen.append(s)
+        return True
+
+    poll(freeze_between_snapshots, timeout=120,
+         what="a snapshot copied both ways, then rank 1's sidecar frozen before the next",
+         diag=lambda: baton.diagnostics(job))  # fmt: skip
+    s = frozen[0]
+    newer = MEMORY_ROOT / survivor["metadata"]["uid"] / "baton-fast" / step_dir(s + EVERY)
+    try:
+        # Snapshot s + EVERY is complete in the survivor's memory; its copies hang.
+        poll((newer / "manifest.json").is_file, timeout=120,
+             what=f"snapshot {s + EVERY} committed in rank 0's memory",
+             diag=lambda: baton.diagnostics(job))  # fmt: skip
+        held = _held(_sidecar_status(survivor, token), "w2-r1")
+        assert held == s, f"rank 0's sidecar holds rank 1's step {held}, not {s}"
+    finally:
+        baton.cluster.kill_node(lost["spec"]["nodeName"])  # SIGKILL reaches a stopped process
+
+    recovered = baton.wait_for(
+        job, lambda st: bool(st.get("lastRecovery")), timeout=180, what="the recovery to end"
+    )
+    diag = baton.diagnostics(job)
+    last = recovered["lastRecovery"]
+    assert last["tier"] == "memory", diag
+    assert last["restoredStep"] == s, f"restored {last['restoredStep']}, not {s}{diag}"
+    assert [e["rank"] for e in last["replaced"]] == [1], diag
+    assert last["kept"] == [f"{job}-a0-r0"], diag
+    assert recovered["resumedFromStep"] == s, diag
+    kept = {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}[0]
+    assert kept["metadata"]["uid"] == survivor["metadata"]["uid"], "the survivor was replaced"
+
+    final = baton.wait_phase(job, "Succeeded", timeout=240)
+    diag = baton.diagnostics(job)
+    assert (final["attempt"], final["failures"]) == (0, 1), diag
+    ref_result, ref_logs = trainer.reference(
+        tmp_path / "reference", REPLICAS, ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)]
+    )
+    got = trainer.loss_logs(out, REPLICAS)
+    for rank in range(REPLICAS):
+        assert sorted(got.get(rank, {})) == list(range(1, STEPS + 1)), f"rank {rank}{diag}"
+        for step, losses in got[rank].items():
+            # Steps after s ran twice on the survivor; each time the reference's loss.
+            assert set(losses) == {ref_logs[rank][step][0]}, f"rank {rank} step {step}: {losses}"
+    result = json.loads((out / "result.json").read_text())
+    for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
+        assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
+    baton.delete(job)
