@@ -6,6 +6,7 @@ nodes add fresh ones first, so the shared nodes stay healthy for later tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -51,6 +52,17 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0) ->
 @pytest.fixture
 def core(local_cluster: LocalCluster) -> client.CoreV1Api:
     return client.CoreV1Api(local_cluster.api)
+
+
+@pytest.fixture(scope="module")
+def at_module_end() -> Iterator[contextlib.ExitStack]:
+    """Checks that wait on the control plane's own slow clocks, run after the module's last
+    test (last registered, first run; each one runs, and a failure fails that teardown naming
+    what it waited for). Pod GC deletes a pod orphaned by a removed Node only after a fixed 40 s
+    quarantine, checked every 20 s (constants of kube-controller-manager's podgc): about 50 s
+    in which the module's later tests run instead of a test waiting for nothing else."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 @pytest.fixture
@@ -545,8 +557,13 @@ def run_pinned_sleeper(
 
 
 def test_aws_preemption_taints_then_kills_the_node(
-    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+    local_cluster: LocalCluster, core: client.CoreV1Api, at_module_end: contextlib.ExitStack
 ) -> None:
+    # A namespace of its own that outlives the test: deleting it would also ask to delete the
+    # orphaned pod that pod GC is awaited to remove (below), so it goes only after that check.
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    at_module_end.callback(core.delete_namespace, namespace)
     node = local_cluster.add_node(spot=True)
     pod = run_pinned_sleeper(local_cluster, core, namespace, "victim", node)
     uid = pod["metadata"]["uid"]
@@ -581,11 +598,17 @@ def test_aws_preemption_taints_then_kills_the_node(
     assert time.monotonic() - noticed >= grace - 1
     wait_for("the Node object to be removed", lambda: node not in node_names(core), timeout=15)
     # As in a cloud: nobody reports for the pod any more, and pod GC deletes the orphan
-    # (after its 40 s quarantine for nodes that might come back).
-    wait_for(
-        "pod GC to delete the orphaned pod",
-        lambda: not read_pod(core, namespace, "victim"),
-        timeout=90,
+    # (after its 40 s quarantine for nodes that might come back): awaited after the module's
+    # last test (at_module_end), with a bound that allows for the API server restart test.
+    removed = time.monotonic()
+    assert read_pod(core, namespace, "victim"), "the pod went before its quarantine could end"
+    at_module_end.callback(
+        lambda: wait_for(
+            f"pod GC to delete the pod orphaned by the removed node {node} "
+            "(test_aws_preemption_taints_then_kills_the_node)",
+            lambda: not read_pod(core, namespace, "victim"),
+            timeout=max(0.0, removed + 240 - time.monotonic()),
+        )
     )
 
 
