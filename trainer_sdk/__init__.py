@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trainer_sdk.checkpointer import Checkpointer as Checkpointer
     from trainer_sdk.checkpointer import RestoreInfo as RestoreInfo
     from trainer_sdk.checkpointer import ResumeError as ResumeError
+    from trainer_sdk.control import EXIT_RESTART_IN_PLACE as EXIT_RESTART_IN_PLACE
     from trainer_sdk.control import EXIT_STOPPED_AFTER_NOTICE as EXIT_STOPPED_AFTER_NOTICE
     from trainer_sdk.errors import BatonError as BatonError
     from trainer_sdk.errors import CheckpointError as CheckpointError
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
     "SupersededError": "errors",
     "UnreadableCheckpointError": "errors",
     "UnsupportedFormatError": "errors",
+    "EXIT_RESTART_IN_PLACE": "control",
     "EXIT_STOPPED_AFTER_NOTICE": "control",
     "promote": "_memory_tier",
     "RestoreInfo": "checkpointer",

@@ -49,7 +49,15 @@ from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._memory_tier import DURABLE, MEMORY, MemoryTier, RestoreInfo
 from trainer_sdk._notices import MemoryCommit, NoticeServer, StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
-from trainer_sdk.control import ROUTINE_TRIGGERS, ControlChannel, State, Tier, Trigger
+from trainer_sdk.control import (
+    EXIT_RESTART_IN_PLACE,
+    EXIT_STOPPED_AFTER_NOTICE,
+    ROUTINE_TRIGGERS,
+    ControlChannel,
+    State,
+    Tier,
+    Trigger,
+)
 from trainer_sdk.errors import (
     BatonError,
     CheckpointError,
@@ -444,6 +452,24 @@ class Checkpointer:
     def last_committed_step(self) -> int | None:
         """The newest step this Checkpointer loaded or committed."""
         return self._last_committed
+
+    @property
+    def exit_code(self) -> int:
+        """The code a training script exits with once ``step()`` returned True.
+
+        ``EXIT_RESTART_IN_PLACE`` (76) when the notice's save committed to the memory tier:
+        the operator replaces only the noticed node's pods and the others' trainers restart
+        in place (the memory survives in the kept pods and the peers' replicas). Otherwise
+        ``EXIT_STOPPED_AFTER_NOTICE`` (75): the pods are replaced. A SIGTERM's save is always
+        75: the process is being stopped."""
+        status = self._reporter.status
+        if (
+            status.state == State.COMMITTED
+            and status.trigger == Trigger.NOTICE.value
+            and status.tier in (Tier.MEMORY.value, Tier.PROMOTED.value)
+        ):
+            return EXIT_RESTART_IN_PLACE
+        return EXIT_STOPPED_AFTER_NOTICE
 
     def wait(self) -> None:
         """Wait for a background save, a memory-tier snapshot and a promotion in flight;

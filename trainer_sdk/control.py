@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Final
 
 __all__ = [
+    "EXIT_RESTART_IN_PLACE",
     "EXIT_STOPPED_AFTER_NOTICE",
     "LOCK_FILE",
     "REQUEST_FILE",
@@ -97,6 +98,14 @@ EXIT_STOPPED_AFTER_NOTICE: Final = 75
 """Exit code of a trainer that stopped because ``Checkpointer.step()`` returned True
 (``EX_TEMPFAIL``: try again later). Launchers may replace it (torchrun exits 1 when a worker
 exits 75), so the operator takes the status of the save, not the exit code, as the truth."""
+
+EXIT_RESTART_IN_PLACE: Final = 76
+"""Exit code of a trainer that stopped because ``Checkpointer.step()`` returned True after a
+notice's save committed to the memory tier (``Checkpointer.exit_code``). The operator keeps
+the pods that are not on the noticed node (their sidecar and memory), and the trainer
+container's restart rule, which restarts every code but 0 and 75, restarts it in place: it
+restores the committed step from memory. Like 75, a launcher may replace it (torchrun's 1
+is restarted all the same)."""
 
 REQUEST_FILE: Final = "request.json"
 STATUS_FILE: Final = "status.json"

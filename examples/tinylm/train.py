@@ -294,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     # EX_TEMPFAIL after an emergency save: the operator then knows this rank stopped for a
-    # notice and will resume it, rather than count it as finished (docs/contracts.md).
-    return trainer_sdk.EXIT_STOPPED_AFTER_NOTICE if stopped_early else 0
+    # notice and will resume it, rather than count it as finished (docs/contracts.md); 76
+    # after a commit to the memory tier, whose pods are kept and restart in place.
+    return ckpt.exit_code if stopped_early else 0
 
 
 if __name__ == "__main__":

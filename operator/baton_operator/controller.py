@@ -567,14 +567,20 @@ class Reconciler:
         """Carry a recovery on: the lost pods go, their replacements come, and once every rank
         reports its restore the recovery ends (or, stuck, becomes a new attempt)."""
         spec, status, now = t.spec, t.status, t.now
-        notice = notice_for(t.current.values(), self._cluster, now=now,
-                            graces=self._config.graces)  # fmt: skip
+        started = parse_time(recovery.get("startedAt")) or now
+        replaced = {int(e["rank"]): e for e in recovery.get("replaced") or []}
+
+        def old(pod: PodView | None) -> bool:
+            """A replaced pod not gone yet (a noticed one is still on its node)."""
+            entry = replaced.get(pod.rank) if pod is not None else None
+            return pod is not None and entry is not None and pod.uid == entry.get("uid")
+
+        pods = [p for p in t.current.values() if not old(p)]
+        notice = notice_for(pods, self._cluster, now=now, graces=self._config.graces)
         if notice is not None:
             # Nothing trains until the recovery ends: move at once, as before a start.
             await self._begin_checkpoint(t, Phase.PENDING, notice)
             return
-        started = parse_time(recovery.get("startedAt")) or now
-        replaced = {int(e["rank"]): e for e in recovery.get("replaced") or []}
         replicas = status.replicas_or(spec.replicas)
         more = [
             v for v in t.views
@@ -593,9 +599,17 @@ class Reconciler:
         why = ""
         for v in t.views:
             pod = t.current.get(v.rank)
+            if old(pod):
+                continue  # its end (a noticed pod's trainer killed) is the recovery's doing
             new = pod is not None and pod.uid != (replaced.get(v.rank) or {}).get("uid")
             if v.node_lost and (v.rank not in replaced or new):
                 why = f"rank {v.rank}'s node {v.node} was lost during the recovery"
+            elif v.exit_code == EMERGENCY_EXIT_CODE and recovery.get("cause") == "notice":
+                why = (
+                    f"rank {v.rank}'s trainer (pod {v.pod}) exited {EMERGENCY_EXIT_CODE} after "
+                    "the memory-tier save, which its restart rule does not restart: exit "
+                    "with ckpt.exit_code (76, EXIT_RESTART_IN_PLACE, after such a save)"
+                )
             elif v.exit_code not in (None, 0):
                 why = f"rank {v.rank} (pod {v.pod}) exited with code {v.exit_code}"
             elif pod is not None and pod.trainer_restarts > (
@@ -612,18 +626,28 @@ class Reconciler:
         if why:
             message = f"the recovery that kept the survivors failed: {why}"
             await self._event(t.job, "Warning", "RecoveryFailed", message)
+            resume = status.resume_step
+            last = status.last_checkpoint
+            if last is not None and last.tier == reports.MEMORY_TIER:
+                # A notice's memory commit not promoted yet goes with the pods: the new
+                # attempt resumes from the last durable step (or a newer one it finds).
+                resume = recovery.get("durableStep")
             # Counted as its own failure: the recovery's was counted when it began.
             await self._restart(
-                t, kind="failure", resume_step=status.resume_step, detail=message,
+                t, kind="failure", resume_step=resume, detail=message,
                 cause=economics.Cause(source="failure"),
             )  # fmt: skip
             return
         await self._poll_ranks(t.views, t.memory)
         fresh = [t.memory.reports.get(r) for r in range(replicas)]
+        # A notice's recovery begins while the kept trainers still run (their stop after
+        # the save): only a restore of the committed step (or newer) is the new process's.
+        least = recovery.get("step") if recovery.get("cause") == "notice" else None
         restored = [
             r for r in fresh
             if r is not None and r.heartbeat is not None and r.heartbeat >= started
-            and (r.restored_step is not None or r.train_step is not None)
+            and (r.restored_step is not None or (r.train_step is not None and least is None))
+            and (least is None or (r.restored_step or 0) >= int(least))
         ]  # fmt: skip
         if len(restored) < replicas or len(t.current) < replicas:
             return
@@ -694,6 +718,8 @@ class Reconciler:
                 f"replaced pod(s) {names}, kept {', '.join(recovery.get('kept') or [])}; "
                 f"the ranks restored {where} of the {tier or 'unknown'} tier in {seconds:.1f}s"
             )
+        if recovery.get("cause") == "notice":
+            message = f"after the {recovery.get('noticeSource') or 'eviction'} notice: {message}"
         raw: Mapping[str, Any] = t.job.get("status") or {}
         fields: dict[str, Any] = {
             "recovery": None,
@@ -847,6 +873,12 @@ class Reconciler:
             finished = v.exit_code is not None or v.phase in ("Succeeded", "Failed")
             if v.node_lost or not v.exists or (live.get(v.rank) is None and finished):
                 gone.append(v.rank)
+        if spec.fast is not None and source != SUSPEND_SOURCE and not spec.suspend:
+            # Every rank's snapshot is in its memory and a peer's on another node: answered
+            # by replacing only the noticed node's pods, without waiting for the promotion.
+            step = reports.memory_commit([memory.reports.get(v.rank) for v in views], ids)
+            if step is not None and await self._begin_notice_recovery(t, step):
+                return
         verdict = lifecycle.checkpoint_verdict(
             answers, replicas=replicas, now=now, deadline=deadline, unreachable_is_final=gone
         )
@@ -903,6 +935,99 @@ class Reconciler:
             t, kind="preemption", resume_step=best, detail=f"{source} notice, {verdict.reason}",
             extra=extra, cause=self._notice_cause(notice, durable_at=None),
         )  # fmt: skip
+
+    async def _begin_notice_recovery(self, t: Tick, step: int) -> bool:
+        """Every rank committed the notice's save of ``step`` to the memory tier: replace only
+        the pods on the noticed node(s) and keep the others (a recovery, as after a node lost
+        without notice, but counted as a preemption).
+
+        The kept pods' trainers exit ``EXIT_RESTART_IN_PLACE`` and are restarted in place;
+        every rank restores ``step`` from memory (the replacements' files from the peers'
+        replicas) and promotes it to durable storage (``_learn_commit`` records the promotion).
+        Returns False when the job takes today's path instead (a new attempt once the
+        snapshot is promoted; ``lifecycle.plan_notice_recovery`` says why).
+        """
+        spec, status, now, memory = t.spec, t.status, t.now, t.memory
+        notice = status.notice
+        nodes = notice.nodes if notice else ()
+        plan, why = lifecycle.plan_notice_recovery(
+            t.views, nodes=nodes, master_is_name=_is_dns_name(status.master_addr)
+        )
+        if plan is None:
+            _log.info("%s: the memory-tier commit of step %d waits for its promotion and a "
+                      "new attempt: %s", spec.key, step, why)  # fmt: skip
+            return False
+        preemptions = status.preemptions + 1
+        if preemptions > spec.max_preemptions:
+            return False  # the restart path fails the job, naming the budget
+        reps = [memory.reports.get(v.rank) for v in t.views]
+        received = (notice.received_at if notice else None) or now
+        deadline = (notice.deadline if notice else None) or now
+        seconds = [r.seconds for r in reps if r is not None and r.seconds is not None]
+        checkpoint = LastCheckpoint(
+            step=step, uri=spec.checkpoint_uri, trigger=Trigger.NOTICE.value,
+            completed_at=iso(now), seconds=max(seconds) if seconds else None,
+            tier=reports.commit_tier(reps, step) or reports.MEMORY_TIER,
+        )  # fmt: skip
+        replaced = [_lost_pod(t, rank) for rank in plan.replace]
+        kept = [t.current[r].name for r in plan.keep if r in t.current]
+        record = _interruption(t, self._notice_cause(notice, durable_at=now), resume_step=step)
+        raw: Mapping[str, Any] = t.job.get("status") or {}
+        names = ", ".join(e["pod"] for e in replaced)
+        after = (now - received).total_seconds()
+        source = (notice.source if notice else None) or "notice"
+        message = (
+            f"{source} notice on node(s) {', '.join(plan.nodes)}: all {len(t.views)} ranks "
+            f"committed step {step} to the memory tier {after:.1f}s after the notice; "
+            f"replacing only pod(s) {names}, keeping {', '.join(kept)}, whose trainers "
+            "restart in place and restore it from memory"
+        )
+        last = status.last_checkpoint
+        durable = last.step if last is not None and last.tier != reports.MEMORY_TIER else None
+        patch = (
+            t.patch()
+            .phase(Phase.RUNNING)
+            .condition("Checkpointing", False, "Done", message)
+            .condition("Recovering", True, "Notice", message)
+            .set(
+                {
+                    "preemptions": preemptions,
+                    "message": message,
+                    "notice": None,
+                    "lastCheckpoint": checkpoint.to_status(),
+                    "recovery": {
+                        "startedAt": iso(now), "cause": "notice", "noticeSource": source,
+                        "step": step, "durableStep": durable, "replaced": replaced,
+                        "kept": kept, "nodes": list(plan.nodes),
+                    },
+                    "interruptions": economics.appended(raw.get("interruptions") or [], record),
+                    "stepsLost": int(raw.get("stepsLost") or 0) + int(record.get("stepsLost") or 0),
+                }
+            )
+        )  # fmt: skip
+        await self._patch(t, patch)
+        key = (spec.namespace, spec.name)
+        self._metrics.checkpoint_committed(*key, checkpoint.tier)
+        self._metrics.notice_to_commit.labels(*key).observe(after)
+        self._metrics.deadline_margin.labels(*key).observe((deadline - now).total_seconds())
+        self._metrics.last_checkpoint.labels(*key).set(now.timestamp())
+        self._metrics.interruption(spec.namespace, spec.name, record)
+        self._metrics.count_restart(spec.namespace, spec.name, "preemption")
+        self._metrics.preemptions.labels(*key).inc()
+        await self._event(
+            t.job, "Normal", "CheckpointCommitted",
+            f"all {len(t.views)} ranks committed step {step} to the memory tier {after:.1f}s "
+            f"after the notice; it is promoted to durable storage after the recovery",
+        )  # fmt: skip
+        await self._event(t.job, "Normal", "Recovering", message)
+        # The save is over: the hints go before the pods do (as at a restart).
+        await self._hint(t, list(t.current.values()), Phase.RUNNING)
+        for entry in replaced:
+            if entry["uid"]:
+                # Force: the noticed trainer must not start another save (its SIGTERM's)
+                # that the kept ranks would join; the replacement takes the same name.
+                await self._kube.delete_pod(spec.namespace, entry["pod"], grace_seconds=0)
+        return True
 
     # ----------------------------------------------------------------- sidecars
 
@@ -1040,6 +1165,15 @@ class Reconciler:
         await self._poll_ranks(t.views, t.memory)
         last = t.status.last_checkpoint
         best = reports.fallback_step(last, t.memory.reports.values())
+        if (
+            last is not None
+            and last.tier == reports.MEMORY_TIER
+            and best == last.step
+            and any(r.committed_step == last.step for r in t.memory.reports.values())
+        ):
+            # A rank proves the step durable: the memory commit's promotion committed.
+            await self._promoted(t, last)
+            return best
         if best is None or (last is not None and best <= last.step):
             return best
         source = next((r for r in t.memory.reports.values() if r.committed_step == best), None)
@@ -1056,6 +1190,19 @@ class Reconciler:
         self._metrics.checkpoint_committed(t.spec.namespace, t.spec.name, checkpoint.tier)
         self._metrics.last_checkpoint.labels(t.spec.namespace, t.spec.name).set(t.now.timestamp())
         return best
+
+    async def _promoted(self, t: Tick, last: LastCheckpoint) -> None:
+        """The memory commit ``last`` is durable now (its promotion committed, at the notice
+        or at the restore that followed): say so in status, metrics and an Event."""
+        checkpoint = replace(last, tier=reports.PROMOTED_TIER)
+        await self._patch(t, t.patch().set({"lastCheckpoint": checkpoint.to_status()}))
+        t.status = replace(t.status, last_checkpoint=checkpoint)
+        self._metrics.checkpoint_committed(t.spec.namespace, t.spec.name, checkpoint.tier)
+        await self._event(
+            t.job, "Normal", "CheckpointPromoted",
+            f"step {last.step}, committed to the memory tier, is promoted to durable storage "
+            f"under {t.spec.checkpoint_uri}",
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- outcomes
 

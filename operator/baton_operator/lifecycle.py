@@ -54,6 +54,7 @@ __all__ = [
     "classify",
     "elastic_replicas",
     "moves_at_once",
+    "plan_notice_recovery",
     "plan_recovery",
     "plan_restart",
     "restart_grace_seconds",
@@ -92,8 +93,10 @@ ALLOWED: Final[Mapping[Phase, frozenset[Phase]]] = {
     Phase.RUNNING: frozenset(
         {Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
     ),
+    # Running again: a notice whose save committed to the memory tier is answered by a
+    # recovery that keeps the pods off the noticed node (controller._begin_notice_recovery).
     Phase.CHECKPOINTING: frozenset(
-        {Phase.RESTARTING, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED}
+        {Phase.RUNNING, Phase.RESTARTING, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED}
     ),
     Phase.RESTARTING: frozenset({Phase.PENDING, Phase.SUSPENDED, Phase.FAILED}),
     Phase.SUSPENDED: frozenset({Phase.PENDING, Phase.FAILED}),
@@ -506,4 +509,42 @@ def plan_recovery(
     nodes = tuple(sorted({r.node for r in lost if r.node and r.node_lost}))
     return RecoveryPlan(
         replace=tuple(r.rank for r in lost), keep=tuple(r.rank for r in keep), nodes=nodes
+    ), ""
+
+
+def plan_notice_recovery(
+    ranks: Sequence[RankView], *, nodes: Sequence[str], master_is_name: bool
+) -> tuple[RecoveryPlan | None, str]:
+    """Whether a notice whose save committed to the memory tier can be answered by replacing
+    only the pods on the noticed ``nodes`` (the others keep their sidecar and memory, and
+    their trainers restart in place: ``EXIT_RESTART_IN_PLACE``).
+
+    Returns the plan, or None and the reason the job restarts as a new attempt instead
+    (today's path: it waits for the promotion to durable storage): no pod on a noticed node
+    (nothing to replace), every pod on one (no survivor to keep), a kept pod that is being
+    deleted, was lost or whose trainer ended for good, or rank 0 replaced while the ranks
+    reach it at its pod IP (as :func:`plan_recovery`).
+    """
+    noticed = set(nodes)
+    ordered = sorted(ranks, key=lambda r: r.rank)
+    replace = [r for r in ordered if r.node in noticed]
+    keep = [r for r in ordered if r not in replace]
+    if not replace:
+        return None, "no pod runs on the noticed node(s)"
+    if not keep:
+        return None, "every pod runs on a noticed node: there is no survivor to keep"
+    for r in keep:
+        if not r.exists or r.node_lost or r.deleting:
+            return None, f"rank {r.rank}'s pod {r.pod} is gone, lost or being deleted"
+        if r.exit_code is not None:
+            return None, f"rank {r.rank}'s trainer (pod {r.pod}) ended with code {r.exit_code}"
+    if any(r.rank == 0 for r in replace) and not master_is_name:
+        return None, (
+            "rank 0's pod is on the noticed node and the ranks reach it at its pod IP; a "
+            "replacement gets another (gang scheduling gives the ranks rank 0's DNS name)"
+        )
+    return RecoveryPlan(
+        replace=tuple(r.rank for r in replace),
+        keep=tuple(r.rank for r in keep),
+        nodes=tuple(sorted(noticed)),
     ), ""

@@ -7,7 +7,7 @@ from the client so that the pure layer never imports the code that talks to a si
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -27,6 +27,7 @@ __all__ = [
     "fallback_fields",
     "fallback_step",
     "loaded_step",
+    "memory_commit",
     "served_notice",
 ]
 
@@ -152,6 +153,34 @@ def answers(report: SidecarStatus, request_id: str) -> bool:
     if request_id and report.request_id == request_id:
         return True
     return report.trigger in EMERGENCY_TRIGGERS
+
+
+def memory_commit(
+    reports: Sequence[SidecarStatus | None], request_ids: Sequence[str]
+) -> int | None:
+    """The step every rank committed to the memory tier for this notice (promoted or not), or
+    None while some rank has not (or committed durably, or to another step).
+
+    Such a commit survives the loss of any one node (every rank's snapshot is replicated to a
+    peer on another node), so the operator may answer the notice by replacing only the
+    noticed node's pods, whose memory goes with them, and keeping the others.
+    """
+    steps: set[int | None] = set()
+    for rank, report in enumerate(reports):
+        expected = request_ids[rank] if rank < len(request_ids) else ""
+        if (
+            report is None
+            or report.state != SaveState.COMMITTED
+            or report.tier not in (MEMORY_TIER, PROMOTED_TIER)
+            or not (
+                (expected and report.request_id == expected) or report.trigger in EMERGENCY_TRIGGERS
+            )
+        ):
+            return None
+        steps.add(report.step)
+    if len(steps) != 1:
+        return None
+    return steps.pop()
 
 
 def commit_tier(reports: Iterable[SidecarStatus | None], step: int) -> str | None:

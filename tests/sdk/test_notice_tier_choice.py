@@ -1,8 +1,9 @@
 """Which tier a notice commits to: the decision's bounds, an estimate that was never measured,
 and one rank slower than the others (every rank still takes the slowest rank's decision).
 
-The end-to-end path (three ranks with real sidecars, a durable tier slow for real, promotion,
-the noticed pod lost) is in ``tests/sidecar/test_notice_memory_tier.py``.
+The end-to-end path (a memory-tier job on the local cluster whose durable tier is slow for
+real, the noticed pod replaced, the others kept, the promotion) is in
+``tests/operator/test_notice_recovery_cluster.py``.
 """
 
 from __future__ import annotations
