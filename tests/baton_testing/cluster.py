@@ -307,16 +307,23 @@ class LocalCluster:
         """
         self._control("stop-apiserver", [])
 
-    def start_apiserver(self, *, timeout_s: float = 180.0) -> None:
+    def start_apiserver(self, *, timeout_s: float = 180.0, wait_controllers: bool = True) -> None:
         """Start the stopped kube-apiserver again (same address, certificates and data).
 
-        Returns once it answers ``/readyz`` and the controller-manager watches again, which
+        Returns once it answers ``/readyz`` and (unless ``wait_controllers`` is false) the
+        controller-manager watches again: see :meth:`wait_controller_manager`.
+        """
+        self._control("start-apiserver", [])
+        if wait_controllers:
+            self.wait_controller_manager(timeout_s=timeout_s)
+
+    def wait_controller_manager(self, *, timeout_s: float = 180.0) -> None:
+        """Wait until kube-controller-manager watches again after an API server restart, which
         can take a while: its informers retry with a back-off that grew during the outage
         (up to about a minute after a 60 s one), and until then, for example, a new namespace
         gets no ``default`` ServiceAccount and pods cannot be created in it. The sign awaited
         is exactly that: a new namespace's ``default`` ServiceAccount.
         """
-        self._control("start-apiserver", [])
         core = kubernetes.client.CoreV1Api(self.api)
         probe = f"localcluster-restarted-{os.getpid()}-{time.monotonic_ns()}"
         core.create_namespace(
@@ -336,16 +343,18 @@ class LocalCluster:
             core.delete_namespace(probe)
 
     @contextlib.contextmanager
-    def apiserver_down(self) -> Iterator[None]:
+    def apiserver_down(self, *, wait_controllers: bool = True) -> Iterator[None]:
         """Keep kube-apiserver stopped for the body of a ``with`` block, then start it again.
 
         It is started again even when the body raises, so the shared cluster stays usable.
+        With ``wait_controllers`` false the block ends before the controller-manager watches
+        again; the caller then owes the cluster a :meth:`wait_controller_manager`.
         """
         self.stop_apiserver()
         try:
             yield
         finally:
-            self.start_apiserver()
+            self.start_apiserver(wait_controllers=wait_controllers)
 
     def pod_processes(self, pod_uid: str) -> list[int]:
         """PIDs of live processes that belong to the pod with this UID (found via /proc)."""

@@ -20,7 +20,9 @@ ranks report what they loaded (``ResumeStepCorrected``); unless it learnt the co
 the port closed. On the way, the sidecar token file of a real pod
 is checked as the node agent wrote it: mode 0440, group the pod's ``fsGroup``.
 
-Cost: about 60 s of outage plus one short 2-rank job (see the report in the test's output).
+Cost: about 60 s of outage plus one short 2-rank job (see the report in the test's output),
+about 160 s in all; the controller-manager's watches come back (up to a minute after the
+outage) while the test goes on, and the fixture waits for them before the next test.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ pytestmark = pytest.mark.cluster
 
 STEPS = 40
 OUTAGE_S = 60.0
+NOTICE_GRACE_S = 90
+"""When the noticed machine goes (and its Node is deleted): after the outage. A Node deleted
+while the operator's watches are down (or refused for a moment after the restart) is never
+seen deleted: its pods are deleted gracefully with no kubelet to confirm, and the restart
+waited for the controller-manager's PodGC to remove them (137 s after the restart decision in
+one run with a 40 s grace)."""
 
 
 @pytest.fixture
@@ -62,6 +70,9 @@ def standalone(operator_install: OperatorInstall, tmp_path: Path) -> Iterator[Ba
         yield Baton(install=operator_install, workdir=tmp_path, operator=op)
     finally:
         op.stop()
+        # The test does not wait for the controller-manager after the API server's restart
+        # (nothing it checks needs it); the next test's cluster does.
+        operator_install.cluster.wait_controller_manager()
 
 
 def _token_file(baton: Baton, job: str) -> tuple[Path, dict[str, Any]]:
@@ -124,7 +135,10 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
     # Only root can give a file a group it is not in (tests/cluster/README.md, "Limitations").
     assert st.st_gid == (fs_group if os.geteuid() == 0 else os.getegid())
 
-    baton.cluster.preempt(baton.node_of(job, 1), provider="karpenter", grace_s=40)
+    # The machine goes NOTICE_GRACE_S after the notice: after the API server is back and the
+    # operator watches again, so it sees the Node deleted (see NOTICE_GRACE_S).
+    noticed = baton.node_of(job, 1)
+    baton.cluster.preempt(noticed, provider="karpenter", grace_s=NOTICE_GRACE_S)
     baton.wait_for(
         job, lambda s: s.get("phase") == "Checkpointing", timeout=180, what="Checkpointing"
     )
@@ -134,7 +148,9 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
         return f"\n--- operator log ---\n{op.tail()}"
 
     refused_before = api_errors(op, "0")
-    with baton.cluster.apiserver_down():
+    # Started again without waiting for the controller-manager's informers (up to a minute
+    # after this outage): the fixture waits for them once the test is done.
+    with baton.cluster.apiserver_down(wait_controllers=False):
         down = time.monotonic()
         poll(
             lambda: api_errors(op, "0") > refused_before,
@@ -164,7 +180,6 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
     lasted = re.search(r"work again after (\d+)s of API\w+", degraded["message"])
     assert lasted, degraded
     assert int(lasted.group(1)) >= OUTAGE_S - 10, degraded
-    assert any(e.startswith("APIRecovered:") for e in baton.events(job)), baton.diagnostics(job)
 
     def restarted(s: dict[str, Any]) -> bool:
         return int(str(s.get("attempt", 0))) >= 1 and s.get("phase") in ("Pending", "Running")
@@ -205,5 +220,13 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
         if f"{NAMESPACE}/{job}: Restarting: " in line
     ]
     assert len(restarts) == 1, f"the restart was acted on {len(restarts)} times{diag}"
+    # The APIRecovered Event: posted when the calls work again, and retried by kopf while the
+    # restarted API server still refuses it (403 until its RBAC caches are filled), so it may
+    # land well after the condition; checked last, so the job's restart runs meanwhile.
+    poll(lambda: any(e.startswith("APIRecovered:") for e in baton.events(job)), timeout=180,
+         what="the APIRecovered Event", diag=lambda: baton.diagnostics(job))  # fmt: skip
     print(f"outage {outage:.1f}s; test wall time {time.monotonic() - began:.0f}s")
     baton.delete(job)
+    # The noticed machine is gone before the next test (the test's added node replaces it).
+    poll(lambda: noticed not in baton.cluster.nodes(), timeout=NOTICE_GRACE_S + 60,
+         what=f"node {noticed}'s machine gone", diag=log)  # fmt: skip
