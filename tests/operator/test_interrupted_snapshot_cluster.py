@@ -12,6 +12,11 @@ for, never the newer step whose replication was interrupted, and end bitwise equ
 uninterrupted run. (The process-level tests in tests/sdk/test_memory_tier.py and
 tests/sidecar/test_replication.py kill a writer mid-file, a sender and a receiver
 mid-transfer; this is the same rule through the operator's recovery.)
+
+Then the same job loses the node of rank 1's replacement in the middle of a snapshot's write:
+its trainer is frozen while the snapshot's directory in its pod's memory has files but no
+manifest, and its node is killed. Nothing of that snapshot is used: the ranks restore the
+snapshot before it, and the survivor's pod is still the first one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import base64
 import json
 import os
 import signal
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -72,21 +78,32 @@ def _sidecar_pid(cluster: LocalCluster, pod: dict[str, Any]) -> int:
     raise AssertionError(f"no baton-sidecar process of pod {pod['metadata']['name']}")
 
 
+def _trainer_pids(cluster: LocalCluster, pod: dict[str, Any]) -> list[int]:
+    """Every process of the pod but its sidecar: the trainer container's."""
+    sidecar = _sidecar_pid(cluster, pod)
+    return [p for p in cluster.pod_processes(pod["metadata"]["uid"]) if p != sidecar]
+
+
+def _memory_dir(pod: dict[str, Any]) -> Path:
+    return MEMORY_ROOT / str(pod["metadata"]["uid"]) / "baton-fast"
+
+
 def _trained(out: Path) -> int:
     """The last step rank 0 logged (it logs a step before its snapshot begins)."""
     lines = (out / "loss.log").read_text().splitlines() if (out / "loss.log").exists() else []
     return int(lines[-1].split()[0]) if lines else 0
 
 
-def test_a_snapshot_whose_replication_was_interrupted_is_never_used(
+def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
     baton: Baton, tmp_path: Path
 ) -> None:
     baton.cluster.add_node()
+    baton.cluster.add_node()  # for the second loss's replacement
     job = unique("tj-halfcopy")
     out = baton.workdir / job
     manifest = baton.job_manifest(
         job, steps=STEPS, every_steps=NO_DURABLE, sleep=0.3, replicas=REPLICAS,
-        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
+        failure_policy={"maxFailures": 2, "backoffSeconds": 1},
     )  # fmt: skip
     manifest["spec"]["checkpoint"].update({"fastEverySteps": EVERY, "fastSizeLimit": "64Mi"})
     trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
@@ -129,7 +146,7 @@ def test_a_snapshot_whose_replication_was_interrupted_is_never_used(
          what="a snapshot copied both ways, then rank 1's sidecar frozen before the next",
          diag=lambda: baton.diagnostics(job))  # fmt: skip
     s = frozen[0]
-    newer = MEMORY_ROOT / survivor["metadata"]["uid"] / "baton-fast" / step_dir(s + EVERY)
+    newer = _memory_dir(survivor) / step_dir(s + EVERY)
     try:
         # Snapshot s + EVERY is complete in the survivor's memory; its copies hang.
         poll((newer / "manifest.json").is_file, timeout=120,
@@ -150,12 +167,59 @@ def test_a_snapshot_whose_replication_was_interrupted_is_never_used(
     assert [e["rank"] for e in last["replaced"]] == [1], diag
     assert last["kept"] == [f"{job}-a0-r0"], diag
     assert recovered["resumedFromStep"] == s, diag
-    kept = {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}[0]
-    assert kept["metadata"]["uid"] == survivor["metadata"]["uid"], "the survivor was replaced"
+    now = {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}
+    assert now[0]["metadata"]["uid"] == survivor["metadata"]["uid"], "the survivor was replaced"
+
+    # Second loss: the replacement's node, while its trainer writes a snapshot.
+    replacement = now[1]
+    assert replacement["metadata"]["uid"] != lost["metadata"]["uid"], diag
+    mem = _memory_dir(replacement)
+    writing: list[int] = []
+
+    def freeze_mid_write() -> bool:
+        """Freeze rank 1's trainer while a snapshot directory newer than s has files but no
+        manifest (a write takes milliseconds here: look often)."""
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            partial = [
+                d for d in mem.glob("step-*")
+                if int(d.name.split("-")[1]) > s and not (d / "manifest.json").exists()
+                and any(d.iterdir())
+            ]  # fmt: skip
+            if partial:
+                pids = _trainer_pids(baton.cluster, replacement)
+                for p in pids:
+                    os.kill(p, signal.SIGSTOP)
+                if (partial[0] / "manifest.json").exists():
+                    for p in pids:
+                        os.kill(p, signal.SIGCONT)  # finished meanwhile: catch the next one
+                    continue
+                writing.append(int(partial[0].name.split("-")[1]))
+                return True
+            time.sleep(0.001)
+        return False
+
+    poll(freeze_mid_write, timeout=180, what="rank 1's trainer frozen mid-snapshot",
+         diag=lambda: baton.diagnostics(job))  # fmt: skip
+    n = writing[0]
+    baton.cluster.kill_node(replacement["spec"]["nodeName"])
+    second = baton.wait_for(
+        job, lambda st: (st.get("lastRecovery") or {}).get("startedAt") != last["startedAt"],
+        timeout=180, what="the second recovery to end",
+    )  # fmt: skip
+    diag = baton.diagnostics(job)
+    again = second["lastRecovery"]
+    assert again["tier"] == "memory", diag
+    # The snapshot before n: every rank's data survived in the survivor's memory; n's did not.
+    assert again["restoredStep"] == n - EVERY, f"restored {again['restoredStep']}, n={n}{diag}"
+    assert [e["rank"] for e in again["replaced"]] == [1], diag
+    assert again["kept"] == [f"{job}-a0-r0"], diag
+    now = {int(p["metadata"]["labels"]["baton.dev/rank"]): p for p in baton.pods(job)}
+    assert now[0]["metadata"]["uid"] == survivor["metadata"]["uid"], "the survivor was replaced"
 
     final = baton.wait_phase(job, "Succeeded", timeout=240)
     diag = baton.diagnostics(job)
-    assert (final["attempt"], final["failures"]) == (0, 1), diag
+    assert (final["attempt"], final["failures"]) == (0, 2), diag
     ref_result, ref_logs = trainer.reference(
         tmp_path / "reference", REPLICAS, ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)]
     )
@@ -163,7 +227,7 @@ def test_a_snapshot_whose_replication_was_interrupted_is_never_used(
     for rank in range(REPLICAS):
         assert sorted(got.get(rank, {})) == list(range(1, STEPS + 1)), f"rank {rank}{diag}"
         for step, losses in got[rank].items():
-            # Steps after s ran twice on the survivor; each time the reference's loss.
+            # Steps after a restored step ran again; each time the reference's loss.
             assert set(losses) == {ref_logs[rank][step][0]}, f"rank {rank} step {step}: {losses}"
     result = json.loads((out / "result.json").read_text())
     for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
