@@ -283,7 +283,7 @@ class NoticeServer:
                     seconds=time.perf_counter() - notice_t,
                     phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
                 )
-                self.board.served(local)
+                self._served(local)
                 return self._after(step, bg_error)
             self.status.update(state=State.SAVING)
             # Storage retries (S3) never start one that could not end before the margin.
@@ -295,7 +295,7 @@ class NoticeServer:
             self._finish(local, step, notice_t, phases, info.bytes)
         except BaseException as e:
             self.status.update(state=State.FAILED, error=f"{type(e).__name__}: {e}")
-            self.board.served(local)
+            self._served(local)
             raise
         return self._after(step, bg_error)
 
@@ -321,7 +321,7 @@ class NoticeServer:
             last_committed_step=step if tier is Tier.DURABLE else self.last_committed(),
             tier=tier.value,
         )
-        self.board.served(local)
+        self._served(local)
         log.warning(
             "rank %d: emergency checkpoint of step %d committed to the %s tier in %.2fs",
             self.rank,
@@ -329,6 +329,21 @@ class NoticeServer:
             tier.value,
             total,
         )
+
+    def _served(self, local: LocalNotice) -> None:
+        """Forget ``local``'s notices; a control request that arrived during the save gets
+        its outcome (the status names its id), as the one it took would have."""
+        self.board.served(local)
+        late = self.board.late_request(local)
+        if late is not None:
+            log.warning(
+                "rank %d: checkpoint request %s (%s) arrived during this notice's save: its "
+                "outcome answers it",
+                self.rank,
+                late.id,
+                late.reason,
+            )
+            self.status.update(request_id=late.id)
 
     def _after(self, step: int, bg_error: BaseException | None) -> bool:
         if bg_error is not None:

@@ -362,6 +362,20 @@ class NoticeBoard:
             periodic_due=periodic_due,
         )
 
+    def late_request(self, local: LocalNotice) -> Request | None:
+        """A control request that arrived while the notice in ``local`` was being served
+        (another id than the one it took, if any), taken: the caller answers it with that
+        notice's outcome. A node drain's SIGTERM often starts the save a moment before the
+        operator's request lands; left pending, the sidecar would wait out its linger for an
+        answer that never comes, and the next attempt with it."""
+        if self.poller is None:
+            return None
+        req = self.poller.poll()
+        if req is None or (local.control is not None and req.id == local.control.id):
+            return None
+        self.poller.served(req)
+        return req
+
     def served(self, local: LocalNotice) -> None:
         """Forget the notices in ``local`` once they have been acted on."""
         if local.sigterm and self.sigterm is not None:

@@ -453,6 +453,54 @@ def test_sigterm_becomes_an_emergency_save_and_the_handler_is_restored(tmp_path:
     assert _manifest_trigger(tmp_path, 1) == "signal"
 
 
+class _RequestDuringSave:
+    """Extra state whose ``state_dict`` (read while a save collects the state) writes the
+    sidecar's checkpoint request once armed: the operator's request landing while a save
+    that a node drain's SIGTERM started is running."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self.channel = channel
+        self.armed = False
+        self.request_id: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.armed and self.request_id is None:
+            request, _ = self.channel.merge_request(
+                deadline=datetime.now(UTC) + timedelta(seconds=120), reason="spot", source="aws"
+            )
+            self.request_id = request.id
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_request_arriving_during_a_signal_save_is_answered_by_it(tmp_path: Path) -> None:
+    # Unanswered, the request would keep the sidecar lingering for its outcome (15 s) and the
+    # operator from seeing the commit as the answer to its notice: the next attempt waits.
+    model, opt = _model()
+    ctl = ControlChannel(tmp_path / "ctl")
+    late = _RequestDuringSave(ctl)
+    with Checkpointer(
+        str(tmp_path / "ck"), model=model, optimizer=opt, every_steps=100,
+        control_dir=str(ctl.directory), extra={"late": late},
+    ) as ck:  # fmt: skip
+        ck.restore()
+        _train(model, opt)
+        late.armed = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert ck.step(1) is True
+    assert late.request_id is not None, "the save never read the extra state"
+    assert api.list_steps(str(tmp_path / "ck")) == [1]
+    assert _manifest_trigger(tmp_path / "ck", 1) == "signal"
+    assert not ctl.request_path.exists(), "the request was left pending"
+    status = ctl.read_status()
+    assert status is not None
+    assert (status.state, status.step) == (State.COMMITTED, 1)
+    assert status.request_id == late.request_id
+
+
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_skipped(tmp_path: Path) -> None:
     model, opt = _model()
     with Checkpointer(str(tmp_path), model=model, optimizer=opt) as ck:
