@@ -8,8 +8,10 @@
 
     assert run_ranks(_body, 2, args=(str(tmp_path),)) == [0, 1]
 
-Each rank is a fresh ``python`` process (no fork, no pickle): the function is found again by
-its file and name, its arguments and return value travel as JSON. The process group is
+Each rank is a process of its own, forked from a forkserver that imported torch once per
+session (``baton_testing.warm_start``; ``BATON_TEST_COLD_RANKS=1``: a fresh ``python`` each),
+with nothing of the test process in it: the function is found again by its file and name,
+its arguments and return value travel as JSON. The process group is
 initialised before the function runs (``init_pg=False`` to skip) and destroyed after it.
 Every rank's exception comes back with its traceback; :class:`RanksFailedError` lists them all.
 A run that exceeds ``timeout`` is killed (every rank, SIGKILL), so a hang fails the test
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from baton_testing import warm_start
 from baton_testing.ports import free_port
+from baton_testing.warm_start import Rank
 
 __all__ = ["RankGroup", "RankResult", "RanksFailedError", "run_ranks", "start_ranks"]
 
@@ -78,7 +82,7 @@ class RanksFailedError(AssertionError):
 class RankGroup:
     """Handle on running ranks (from :func:`start_ranks`)."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], workdir: str, deadline: float):
+    def __init__(self, procs: list[Rank], workdir: str, deadline: float):
         self.procs = procs
         self._workdir = workdir
         self._deadline = deadline
@@ -164,7 +168,7 @@ def start_ranks(
     spec_path = Path(workdir, "spec.json")
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    procs = []
+    procs: list[Rank] = []
     for rank in range(world_size):
         child_env = dict(os.environ)
         child_env.update(env or {})
@@ -184,7 +188,19 @@ def start_ranks(
                 "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1"),
             }
         )
-        out = open(Path(workdir, f"rank{rank}.out"), "wb")  # noqa: SIM115 - closed below
+        out_path = Path(workdir, f"rank{rank}.out")
+        if warm_start.enabled():
+            procs.append(
+                warm_start.start(
+                    "baton_testing.dist._child_main",
+                    [str(spec_path)],
+                    env=child_env,
+                    cwd=_REPO_DIR,
+                    out_path=str(out_path),
+                )
+            )
+            continue
+        out = open(out_path, "wb")  # noqa: SIM115 - closed below
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "baton_testing.dist", str(spec_path)],

@@ -18,7 +18,8 @@ Outputs:
   sha256 digests of the parameters and of the optimizer, scheduler and scaler state.
 * stdout (rank 0): ``FINAL_SHA256 <digest of parameters>``.
 
-:func:`launch` starts it on N local ranks as real processes (tests kill them with real signals).
+:func:`launch` starts it on N local ranks as real processes (tests kill them with real signals),
+forked from a process that imported torch once (``baton_testing.warm_start``).
 The sidecar tests and the demo reuse it as their trainer.
 """
 
@@ -37,6 +38,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from baton_testing import warm_start
+from baton_testing.warm_start import Rank
+
+from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
 
 __all__ = ["TrainerRun", "launch", "main", "read_loss_log", "run"]
 
@@ -310,9 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world_size > 1:
         dist.destroy_process_group()
     # docs/contracts.md: a rank that stopped after an emergency save exits EX_TEMPFAIL, so the
-    # operator never mistakes it for a finished (or failed) rank; after a notice's commit to
-    # the memory tier, 76: its pod is kept and the trainer restarts in place.
-    return ckpt.exit_code if stopped else 0
+    # operator never mistakes it for a finished (or failed) rank.
+    return EXIT_STOPPED_AFTER_NOTICE if stopped else 0
 
 
 # ---- launching it from tests -------------------------------------------------------------
@@ -322,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 class TrainerRun:
     """Running trainer ranks (from :func:`launch`)."""
 
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[Rank]
     workdir: Path
     outputs: list[Path] = field(default_factory=list)
 
@@ -398,15 +403,26 @@ def launch(
             }
         )
         out_path = work / f"rank{rank}.{len(list(work.glob(f'rank{rank}.*.out')))}.out"
-        with open(out_path, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "baton_testing.trainer", *args],
-                env=child_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=_REPO_DIR,
+        if warm_start.enabled():  # forked from a process that imported torch once
+            run_.procs.append(
+                warm_start.start(
+                    "baton_testing.trainer.main",
+                    [list(args)],
+                    env=child_env,
+                    cwd=_REPO_DIR,
+                    out_path=str(out_path),
+                )
             )
-        run_.procs.append(proc)
+        else:
+            with open(out_path, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "baton_testing.trainer", *args],
+                    env=child_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=_REPO_DIR,
+                )
+            run_.procs.append(proc)
         run_.outputs.append(out_path)
     return run_
 
