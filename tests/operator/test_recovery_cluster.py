@@ -40,16 +40,6 @@ OPERATOR_ARGS = ["--node-lost-seconds", "2"]
 is 8 s), not the harness's 10 s: the recoveries are the same, each 8 s sooner."""
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
-    """The same training run as local processes, never interrupted (once per module)."""
-    return trainer.reference(
-        tmp_path_factory.mktemp("reference"),
-        REPLICAS,
-        ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)],
-    )
-
-
 def _trainer_status(pod: dict[str, Any]) -> dict[str, Any]:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs["name"] == "trainer":
@@ -129,13 +119,10 @@ def _lose_and_recover(baton: Baton, job: str, lost_rank: int, *, failures: int) 
     return recovered
 
 
-def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(
-    baton: Baton, uninterrupted: tuple[dict[str, Any], Any]
-) -> None:
+def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(baton: Baton, tmp_path: Path) -> None:
     # One job loses rank 1's node, recovers, then loses rank 0's node (whose DNS name the
     # ranks rendezvous at) and recovers again: each loss costs one pod and a snapshot
     # interval, and the job still ends bitwise equal to the uninterrupted run.
-    ref_result, ref_logs = uninterrupted
     baton.cluster.add_node()  # for rank 1's replacement
     baton.cluster.add_node()  # for rank 0's
     job = unique("tj-recover")
@@ -153,19 +140,27 @@ def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(
     assert applied.returncode == 0, applied.stderr
     baton.wait_phase(job, "Running", timeout=180)
     baton.wait_steps(job, 8)
-    first = _lose_and_recover(baton, job, 1, failures=1)
+    # The same training run as local processes, never interrupted: trained while the cluster
+    # finds the first node lost (when only the survivor's trainer is left, waiting).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        uninterrupted = pool.submit(
+            trainer.reference, tmp_path / "reference", REPLICAS,
+            ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)],
+        )  # fmt: skip
+        first = _lose_and_recover(baton, job, 1, failures=1)
 
-    # A few steps trained after the first recovery, then rank 0's node goes.
-    again = first["lastRecovery"]["restoredStep"] + 4
-    baton.wait_for(
-        job, lambda _: _newest_step(out) >= again, timeout=120,
-        what=f"step {again} after the first recovery",
-    )  # fmt: skip
-    _lose_and_recover(baton, job, 0, failures=2)
+        # A few steps trained after the first recovery, then rank 0's node goes.
+        again = first["lastRecovery"]["restoredStep"] + 4
+        baton.wait_for(
+            job, lambda _: _newest_step(out) >= again, timeout=120,
+            what=f"step {again} after the first recovery",
+        )  # fmt: skip
+        _lose_and_recover(baton, job, 0, failures=2)
 
-    final = baton.wait_phase(job, "Succeeded", timeout=240)
-    diag = baton.diagnostics(job)
-    assert (final["attempt"], final["failures"], final["preemptions"]) == (0, 2, 0), diag
+        final = baton.wait_phase(job, "Succeeded", timeout=240)
+        diag = baton.diagnostics(job)
+        assert (final["attempt"], final["failures"], final["preemptions"]) == (0, 2, 0), diag
+        ref_result, ref_logs = uninterrupted.result()
     got = trainer.loss_logs(out, REPLICAS)
     for rank in range(REPLICAS):
         assert sorted(got.get(rank, {})) == list(range(1, STEPS + 1)), f"rank {rank}{diag}"
