@@ -41,6 +41,9 @@ from trainer_sdk.layout import step_dir
 pytestmark = pytest.mark.cluster
 
 SHARED_OPERATOR = True
+OPERATOR_ARGS = ["--node-lost-seconds", "2"]
+"""A node is called lost 2 s after it turns NotReady (the local cluster's node-monitor grace
+is 8 s), not the harness's 10 s: each of the two recoveries starts 8 s sooner."""
 
 STEPS = 40
 REPLICAS = 2
