@@ -76,6 +76,8 @@ def test_a_short_notice_commits_to_memory_and_replaces_only_the_noticed_pod(
     )  # fmt: skip
     manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
     trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
+    # The kept trainer, restarted, waits in the rendezvous for the replacement to start.
+    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
     trainer_c["command"] += [
         "--uri", manifest["spec"]["checkpoint"]["uri"],
         "--throttle-bytes-per-s", str(RATE), "--probe-bytes", str(RATE),
