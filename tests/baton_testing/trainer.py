@@ -42,8 +42,6 @@ from typing import Any
 from baton_testing import warm_start
 from baton_testing.warm_start import Rank
 
-from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE
-
 __all__ = ["TrainerRun", "launch", "main", "read_loss_log", "run"]
 
 _TESTS_DIR = str(Path(__file__).resolve().parent.parent)
@@ -316,8 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world_size > 1:
         dist.destroy_process_group()
     # docs/contracts.md: a rank that stopped after an emergency save exits EX_TEMPFAIL, so the
-    # operator never mistakes it for a finished (or failed) rank.
-    return EXIT_STOPPED_AFTER_NOTICE if stopped else 0
+    # operator never mistakes it for a finished (or failed) rank; after a notice's commit to
+    # the memory tier, 76: its pod is kept and the trainer restarts in place.
+    return ckpt.exit_code if stopped else 0
 
 
 # ---- launching it from tests -------------------------------------------------------------
