@@ -144,7 +144,8 @@ def main() -> int:
     trainer.test_out = out
     trainer.train()
     if trainer.preempted:
-        return EXIT_STOPPED_AFTER_NOTICE
+        assert trainer.exit_code == EXIT_STOPPED_AFTER_NOTICE  # no memory tier here
+        return trainer.exit_code
     if rank == 0:
         final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
         opt = trainer.optimizer.optimizer.state_dict()

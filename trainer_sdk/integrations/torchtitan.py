@@ -17,8 +17,10 @@ state (step, tokens seen), the dataloader's position, and every RNG stream of ev
 state in ``state_dict()``; Baton saves the unpickled state instead.
 
 Notices (SIGTERM, the sidecar's requests) are served at the ``save()`` that torchtitan calls
-after every step: every rank saves the same step, then the process exits 75 (EX_TEMPFAIL, the
-operator's "checkpointed on notice" status) unless ``exit_on_notice=False``.
+after every step: every rank saves the same step, then the process exits with the
+Checkpointer's ``exit_code`` (75, EX_TEMPFAIL, the operator's "checkpointed on notice" status;
+76 when the save committed to the memory tier, which restarts the trainer in place) unless
+``exit_on_notice=False``.
 
 What torchtitan 0.3 makes impossible, and why (also in ``docs/integrations.md``):
 
@@ -88,7 +90,8 @@ class BatonCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # un
         else ``<dump_folder>/<folder>``."""
 
         exit_on_notice: bool = True
-        """After a notice is checkpointed, exit the process with status 75. False: ``save()``
+        """After a notice is checkpointed, exit the process with the Checkpointer's
+        ``exit_code`` (75; 76 after a memory-tier commit). False: ``save()``
         returns and :attr:`BatonCheckpointManager.preempted` is set; the caller stops."""
 
         async_save: bool = False
@@ -186,9 +189,10 @@ class BatonCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # un
         if self.checkpointer.step(curr_step):
             self.preempted = True
             if self.config.exit_on_notice:
-                log.warning("step %d checkpointed on notice: exiting %d", curr_step, EXIT_ON_NOTICE)
+                code = self.checkpointer.exit_code
+                log.warning("step %d checkpointed on notice: exiting %d", curr_step, code)
                 self._close()
-                raise SystemExit(EXIT_ON_NOTICE)
+                raise SystemExit(code)
             return True
         if self.config.load_only:
             return False

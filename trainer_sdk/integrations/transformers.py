@@ -6,7 +6,7 @@ A stock script changes two lines (``docs/integrations.md`` has the whole diff)::
     trainer = BatonTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
     trainer.train()                       # resumes by itself from the newest Baton checkpoint
     if trainer.preempted:
-        sys.exit(75)                      # a notice was served: the operator reschedules
+        sys.exit(trainer.exit_code)       # a notice was served: 75 (76 after a memory-tier save)
 
 What changes underneath, hook by hook (``transformers`` is pinned; these are the Trainer's own
 extension points, read from its source):
@@ -115,7 +115,12 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
         self.baton: Checkpointer | None = None
         """The run's Checkpointer, from the start of ``train()`` to its end."""
         self.preempted = False
-        """True after ``train()`` stopped because a notice was served (exit 75 then)."""
+        """True after ``train()`` stopped because a notice was served (exit with
+        :attr:`exit_code` then)."""
+        self.exit_code = 0
+        """What the script exits with after ``train()``: the Checkpointer's ``exit_code``
+        when a notice was served (75, ``EXIT_STOPPED_AFTER_NOTICE``; 76,
+        ``EXIT_RESTART_IN_PLACE``, when its save committed to the memory tier), else 0."""
         self._baton_resume: _Resume | None = None
         self._baton_stepped: int | None = None
         self._baton_rng: dict[str, Any] | None = None
@@ -137,11 +142,14 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
                 "train() without it (Trainer's checkpoint-N/ folders are not Baton checkpoints)"
             )
         self.preempted = False
+        self.exit_code = 0
         try:
             return super().train(None, *args, **kwargs)
         finally:
             baton, self.baton = self.baton, None
             if baton is not None:
+                if self.preempted:
+                    self.exit_code = baton.exit_code
                 baton.close()
 
     def get_train_dataloader(self) -> _TrackedLoader:
