@@ -8,10 +8,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from baton_operator import lifecycle, reports
-from baton_operator.lifecycle import Phase, RankView
+from baton_operator.lifecycle import Phase
 from baton_operator.reports import SidecarStatus
 
 from .test_reconciler import Harness, _memory_tier, _restarted_in_place, _restored
+from .test_recovery import _views
 
 
 def _report(**raw: Any) -> SidecarStatus:
@@ -45,17 +46,6 @@ def test_anything_less_is_not_a_memory_commit() -> None:
     }
     for what, reps in cases.items():
         assert reports.memory_commit(reps, ids) is None, what
-
-
-def _views(**changes: dict[str, Any]) -> list[RankView]:
-    """Three running ranks on n0..n2; ``r1={...}`` changes rank 1."""
-    out = []
-    for rank in range(3):
-        fields: dict[str, Any] = {"rank": rank, "pod": f"j-a0-r{rank}", "node": f"n{rank}",
-                                  "running": True, "phase": "Running"}  # fmt: skip
-        fields.update(changes.get(f"r{rank}", {}))
-        out.append(RankView(**fields))
-    return out
 
 
 def test_the_noticed_nodes_pods_are_replaced_and_the_others_kept() -> None:
