@@ -469,6 +469,31 @@ def loss_logs(out: str | os.PathLike[str], world_size: int) -> dict[int, dict[in
     return logs
 
 
+STATE_DIGESTS = ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256")
+"""The result's digests of the final training state (weights, optimizer, LR schedule, scaler)."""
+
+
+def assert_equal_to_reference(
+    out: str | os.PathLike[str],
+    world_size: int,
+    steps: int,
+    ref: tuple[dict[str, Any], dict[int, dict[int, list[str]]]],
+    diag: str = "",
+) -> None:
+    """The run under ``out`` against :func:`reference`'s ``ref``: every rank logged every
+    step, each time with the reference's loss bit for bit (a step run again after a restore
+    included), and the final state's digests are equal."""
+    ref_result, ref_logs = ref
+    got = loss_logs(out, world_size)
+    for rank in range(world_size):
+        assert sorted(got.get(rank, {})) == list(range(1, steps + 1)), f"rank {rank}{diag}"
+        for step, losses in got[rank].items():
+            assert set(losses) == {ref_logs[rank][step][0]}, f"rank {rank} step {step}: {losses}"
+    result = json.loads((Path(out) / "result.json").read_text())
+    for key in STATE_DIGESTS:
+        assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
+
+
 def reference(
     tmp: Path, world_size: int, args: list[str], *, timeout: float = 300
 ) -> tuple[dict[str, Any], dict[int, dict[int, list[str]]]]:

@@ -20,7 +20,6 @@ away, and the job ends bitwise equal to an uninterrupted run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ def test_a_short_notice_commits_to_memory_and_replaces_only_the_noticed_pod(
     baton: Baton, tmp_path: Path
 ) -> None:
     train = ["--steps", str(STEPS), "--every-steps", str(NO_DURABLE)]
-    ref_result, ref_logs = trainer.reference(tmp_path / "reference", REPLICAS, train)
+    ref = trainer.reference(tmp_path / "reference", REPLICAS, train)
     baton.cluster.add_node()
     job = unique("tj-noticemem")
     out = baton.workdir / job
@@ -152,14 +151,7 @@ def test_a_short_notice_commits_to_memory_and_replaces_only_the_noticed_pod(
     final = baton.wait_phase(job, "Succeeded", timeout=240)
     diag = baton.diagnostics(job)
     assert (final["attempt"], final["failures"], final["preemptions"]) == (0, 0, 1), diag
-    got = trainer.loss_logs(out, REPLICAS)
-    for rank in range(REPLICAS):
-        assert sorted(got.get(rank, {})) == list(range(1, STEPS + 1)), f"rank {rank}{diag}"
-        for s, losses in got[rank].items():
-            assert set(losses) == {ref_logs[rank][s][0]}, f"rank {rank} step {s}: {losses}"
-    result = json.loads((out / "result.json").read_text())
-    for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
-        assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
+    trainer.assert_equal_to_reference(out, REPLICAS, STEPS, ref, diag)
     baton.delete(job)
 
 
