@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import kopf
 
@@ -31,6 +31,8 @@ from .errors import BatonOperatorError, KubeError
 from .settings import KEY_SECRET_NAME, OperatorConfig
 from .sidecars import SidecarClient
 from .watchcache import WatchCache
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["configure"]
 
@@ -132,6 +134,15 @@ async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -
     kube = kube_mod.Kube(kube_mod.load_client(config.kubeconfig))
     faults.instrument(kube, metrics, health)
     memo["kube"], memo["post"] = kube, post
+    sweeps: set[asyncio.Task[None]] = set()
+
+    def sweep_after_outage(lasted: float) -> None:
+        if lasted >= _SWEEP_AFTER_SECONDS:
+            task = asyncio.get_running_loop().create_task(_sweep_nodes(memo))
+            sweeps.add(task)  # a reference until it ends (the loop keeps only weak ones)
+            task.add_done_callback(sweeps.discard)
+
+    health.on_recovered(sweep_after_outage)
     key = await tokens.load_or_create_key(kube, config.operator_namespace, KEY_SECRET_NAME)
     memo["reconciler"] = Reconciler(
         kube=kube,
@@ -242,12 +253,36 @@ async def _node_event(
     # others' next regular tick sees nothing new, so waking them would only put the
     # affected jobs' ticks in a queue that grows with the number of jobs.
     if changed:
-        cache: WatchCache = memo["cache"]
-        wakers = memo["wakers"]
-        for key in cache.jobs_on(name):
-            waker = wakers.get(key)
-            if waker is not None:
-                waker.set()
+        _wake_jobs_on(memo, name)
+
+
+def _wake_jobs_on(memo: kopf.Memo, node: str) -> None:
+    """Wake the daemons of the jobs with a pod on ``node`` (the watch cache's node index)."""
+    cache: WatchCache = memo["cache"]
+    wakers = memo["wakers"]
+    for key in cache.jobs_on(node):
+        waker = wakers.get(key)
+        if waker is not None:
+            waker.set()
+
+
+_SWEEP_AFTER_SECONDS: Final = 2.0
+"""An API outage at least this long may have hidden a Node's deletion from the watch."""
+
+
+async def _sweep_nodes(memo: kopf.Memo) -> None:
+    """After an API outage: forget the Nodes deleted meanwhile (ClusterView.sweep) and wake
+    their jobs, whose pods there are then lost, not merely being deleted."""
+    cluster: ClusterView = memo["cluster"]
+    kube: kube_mod.Kube = memo["kube"]
+    try:
+        present = await kube.list_node_names()
+    except KubeError as e:
+        _log.warning("could not list nodes after the API outage: %s", e)
+        return
+    for name in cluster.sweep(present):
+        _log.warning("node %s was deleted while the API server was unreachable", name)
+        _wake_jobs_on(memo, name)
 
 
 @kopf.on.event(*watches.PODS.selector(), labels=dict(watches.MANAGED_BY))

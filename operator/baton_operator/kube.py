@@ -200,6 +200,16 @@ class Kube:
             return None if version is None else str(version)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @_needs("", "nodes", "list")
+    async def list_node_names(self) -> set[str]:
+        """The names of every Node now (a LIST after an API outage: see ClusterView.sweep)."""
+        try:
+            resp = await self._run(self._core.list_node, _preload_content=False)
+        except ApiException as e:
+            raise _translate(e, "listing nodes") from e
+        items: list[dict[str, Any]] = json.loads(resp.data)["items"]
+        return {str((n.get("metadata") or {}).get("name", "")) for n in items}
+
     @_needs("", "pods", "list")
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Return the pods matching ``label_selector`` as plain dicts."""

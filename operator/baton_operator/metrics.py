@@ -241,10 +241,19 @@ class Health:
         self._clock = clock
         self._failing_since: float | None = None
         self._last_error = ""
+        self._on_recovered: list[Callable[[float], None]] = []
+
+    def on_recovered(self, callback: Callable[[float], None]) -> None:
+        """Call ``callback(seconds)`` whenever calls work again after failing that long."""
+        self._on_recovered.append(callback)
 
     def ok(self) -> None:
         """An API call succeeded."""
-        self._failing_since = None
+        if self._failing_since is not None:
+            lasted = self._clock() - self._failing_since
+            self._failing_since = None
+            for callback in self._on_recovered:
+                callback(lasted)
 
     def failed(self, error: str) -> None:
         """An API call failed (``error`` names the call and the HTTP status, never a token)."""

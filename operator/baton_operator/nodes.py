@@ -98,6 +98,18 @@ class ClusterView:
         self.zones.pop(name, None)
         self.deleted.add(name)
 
+    def sweep(self, present: set[str]) -> list[str]:
+        """Forget the known nodes a fresh list no longer has, as deleted; return them.
+
+        The Node watch tells of a deletion only while it runs: a Node deleted while the API
+        server was unreachable (a restart, an outage) is never announced, and would stay
+        known and Ready here, so its pods would be deleted gracefully and wait minutes for
+        the pod garbage collector instead of being replaced at once."""
+        gone = sorted(set(self.nodes) - present)
+        for name in gone:
+            self.remove_node(name)
+        return gone
+
     def notices_on(self, node: str) -> list[Notice]:
         """The current notices of one node."""
         info = self.nodes.get(node)

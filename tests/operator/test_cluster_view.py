@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
 import logging
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from baton_operator import handlers
 from baton_operator.controller import ClusterView, JobMemory
-from baton_operator.metrics import Metrics
+from baton_operator.kube import Kube
+from baton_operator.metrics import Health, Metrics
 from baton_operator.reports import answers
 from baton_operator.settings import OperatorConfig
 from baton_operator.sidecars import SidecarStatus
 from baton_operator.watchcache import WatchCache
+from kubernetes import client as k8s_client
 from prometheus_client import CollectorRegistry
 
 T0 = datetime(2026, 11, 30, 4, 0, tzinfo=UTC)
@@ -129,3 +134,70 @@ def test_only_a_change_that_matters_wakes_the_jobs_daemons() -> None:
     # Only the jobs with a pod on the node are woken, however many others there are.
     assert not elsewhere.is_set()
     assert not pending.is_set()
+
+
+class _NodeList(http.server.BaseHTTPRequestHandler):
+    """GET /api/v1/nodes of an API server that has one Node left, n1."""
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] != "/api/v1/nodes":
+            self.send_error(404)
+            return
+        body = json.dumps({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
+                           "items": [node("n1")]}).encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_node_deleted_during_an_api_outage_is_lost_once_calls_work_again() -> None:
+    # The Node watch never announces a deletion it was down for: the operator would think n2
+    # Ready and wait for its pods' graceful deletion, which no kubelet there confirms. Calls
+    # working again after an outage make it list the Nodes: n2 is gone, so it is lost, and
+    # the daemon of the job with a pod there is woken.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NodeList)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = k8s_client.Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    view = ClusterView(config=OperatorConfig())
+    view.update_node(node("n1"), now=T0)
+    view.update_node(node("n2"), now=T0)
+    cache = WatchCache()
+    cache.pod_event("ADDED", _pod("tj-0-0", "tj", "n2"))
+    cache.pod_event("ADDED", _pod("other-0-0", "other", "n1"))
+    wake, elsewhere = asyncio.Event(), asyncio.Event()
+    memo: dict[str, Any] = {
+        "cluster": view, "cache": cache, "kube": Kube(k8s_client.ApiClient(config)),
+        "wakers": {("team", "tj"): wake, ("team", "other"): elsewhere},
+    }  # fmt: skip
+    try:
+        asyncio.run(handlers._sweep_nodes(memo))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert view.node_lost("n2", now=T0), "a node deleted unseen is lost"
+    assert view.node_ready("n1")
+    assert not view.node_lost("n1", now=T0)
+    assert wake.is_set()
+    assert not elsewhere.is_set()
+    assert view.sweep({"n1"}) == [], "nothing more to forget"
+
+
+def test_only_an_outage_long_enough_to_hide_a_deletion_lists_the_nodes() -> None:
+    now = [0.0]
+    health = Health(clock=lambda: now[0])
+    lasted: list[float] = []
+    health.on_recovered(lasted.append)
+    health.ok()
+    assert lasted == [], "no failure, nothing recovered"
+    health.failed("get: 503")
+    now[0] = 12.5
+    health.failed("get: no answer")
+    health.ok()
+    health.ok()
+    assert lasted == [12.5], "called once, with the outage's length"
