@@ -40,7 +40,7 @@ from .kube import Kube
 from .lifecycle import SUSPEND_SOURCE, Outcome, Phase, RankView, VerdictKind
 from .metrics import Metrics
 from .model import JobSpec, LastCheckpoint
-from .nodes import ClusterView
+from .nodes import UNSEEN_DELETION, ClusterView
 from .notices import Notice, parse_time
 from .pods import PodView, delete_grace, notice_for, noticed_nodes, rank_view, restarted
 from .replicating import PeerWiring
@@ -56,6 +56,10 @@ from .writing import EventPoster, StatusWriter
 __all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
 
 _log = logging.getLogger(__name__)
+
+_OVERDUE: Final = timedelta(seconds=5)
+"""A graceful pod deletion this long past its ``deletionTimestamp`` has no kubelet behind it."""
+_NODE_CHECK_SECONDS: Final = 10.0
 
 _CONFLICT_RETRIES: Final = 3
 """Fresh reads a tick makes after its guarded write lost a race, before it gives up (the
@@ -152,6 +156,8 @@ class Reconciler:
         """Every job's node time and interruptions per pool, for ``everySeconds: auto``."""
         self._cost_written: dict[tuple[str, str], datetime] = {}
         """When each job's pod-deletion-cost was last written (disruption.cost_patches)."""
+        self._node_checked: dict[str, datetime] = {}
+        """When a node under an overdue pod deletion was last looked up (_gone_unseen)."""
         self._creator = Creator(
             kube=kube, config=config, token_for=token_for, writer=writer, pools=self._pools
         )
@@ -375,8 +381,32 @@ class Reconciler:
             except KubeError as e:
                 _log.warning("disruption hints on pod %s not updated: %s", name, e)
 
+    async def _gone_unseen(self, pod: PodView, now: datetime) -> None:
+        """A pod whose graceful deletion is overdue, on a node thought alive: if the Node no
+        longer exists (deleted while the Node watch was down or refused: it never says so),
+        the node is lost, so the pod is removed at once instead of waiting minutes for the
+        pod garbage collector. One lookup per node every ``_NODE_CHECK_SECONDS`` at most."""
+        node = pod.node
+        deadline = parse_time(pod.body.get("metadata", {}).get("deletionTimestamp"))
+        if node is None or deadline is None or now < deadline + _OVERDUE:
+            return
+        if self._cluster.node_lost(node, now=now):
+            return
+        checked = self._node_checked.get(node)
+        if checked is not None and (now - checked).total_seconds() < _NODE_CHECK_SECONDS:
+            return
+        self._node_checked[node] = now
+        if node not in await self._kube.list_node_names(only=node):
+            self._cluster.remove_node(node)
+            self._node_checked.pop(node, None)
+            _log.warning(
+                "%s", UNSEEN_DELETION.format(node=node, when=f"pod {pod.name} was overdue")
+            )
+
     async def _delete_pods(self, spec: JobSpec, pods: Sequence[PodView], now: datetime) -> None:
         for pod in pods:
+            if pod.deleting:
+                await self._gone_unseen(pod, now)
             grace = delete_grace(pod, self._cluster, now=now,
                                  grace_seconds=self._config.delete_grace_seconds)  # fmt: skip
             if grace is not None:

@@ -26,6 +26,7 @@ import kopf
 from . import faults, notices, tokens, watches
 from . import kube as kube_mod
 from . import metrics as metrics_mod
+from . import nodes as nodes_mod
 from .controller import ClusterView, JobMemory, Reconciler
 from .errors import BatonOperatorError, KubeError
 from .settings import KEY_SECRET_NAME, OperatorConfig
@@ -281,7 +282,7 @@ async def _sweep_nodes(memo: kopf.Memo) -> None:
         _log.warning("could not list nodes after the API outage: %s", e)
         return
     for name in cluster.sweep(present):
-        _log.warning("node %s was deleted while the API server was unreachable", name)
+        _log.warning("%s", nodes_mod.UNSEEN_DELETION.format(node=name, when="after an API outage"))
         _wake_jobs_on(memo, name)
 
 

@@ -201,10 +201,14 @@ class Kube:
         raise AssertionError("unreachable")  # pragma: no cover
 
     @_needs("", "nodes", "list")
-    async def list_node_names(self) -> set[str]:
-        """The names of every Node now (a LIST after an API outage: see ClusterView.sweep)."""
+    async def list_node_names(self, *, only: str | None = None) -> set[str]:
+        """The names of every Node now, or of the Node named ``only`` if it exists (the Node
+        watch's deletions can be missed: see ClusterView.sweep)."""
+        selector = None if only is None else f"metadata.name={only}"
         try:
-            resp = await self._run(self._core.list_node, _preload_content=False)
+            resp = await self._run(
+                self._core.list_node, field_selector=selector, _preload_content=False
+            )
         except ApiException as e:
             raise _translate(e, "listing nodes") from e
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]

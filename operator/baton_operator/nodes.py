@@ -48,6 +48,13 @@ class _Node:
     notices: list[Notice]
 
 
+UNSEEN_DELETION: Final = (
+    "node {node} is gone, and its deletion was not seen by the Node watch (it was down or "
+    "refused meanwhile): its pods are lost ({when})"
+)
+"""The WARNING logged when a list finds a known Node deleted (``node``, ``when``)."""
+
+
 @dataclass
 class ClusterView:
     """What the Node watch has told us: readiness and notices per node."""

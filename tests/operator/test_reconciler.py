@@ -64,6 +64,9 @@ class FakeKube:
         """The PodGroups that exist; None: the API server does not serve the API."""
         self.deleted_groups: list[str] = []
         self.discoveries = 0
+        self.nodes: set[str] = set()
+        """The Nodes that exist (Harness.node adds them; a test deletes one unseen)."""
+        self.node_lookups: list[str | None] = []
 
     def bump(self) -> str:
         version = str(int(self.job["metadata"]["resourceVersion"]) + 1)
@@ -97,6 +100,10 @@ class FakeKube:
         _merge(self.job["status"], status)
         self.writes.append(copy.deepcopy(status))
         return self.bump()
+
+    async def list_node_names(self, *, only: str | None = None) -> set[str]:
+        self.node_lookups.append(only)
+        return set(self.nodes) if only is None else self.nodes & {only}
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         want = dict(part.split("=", 1) for part in label_selector.split(","))
@@ -285,6 +292,7 @@ class Harness:
     ) -> None:
         """The Node watch reports ``name``, Ready (or not) for ``for_seconds``."""
         now = datetime.now(tz=UTC)
+        self.kube.nodes.add(name)
         self.cluster.update_node(
             {
                 "metadata": {"name": name},
@@ -726,6 +734,34 @@ def _keep_deleting(kube: FakeKube) -> Callable[..., Any]:
             kube.pods[name]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
 
     return delete
+
+
+def test_a_node_deleted_unseen_under_an_overdue_deletion_is_lost_and_its_pod_removed() -> None:
+    # The noticed machine went while the Node watch was down (an API outage): the operator
+    # still thinks n1 Ready, and its pod's graceful deletion has no kubelet to end it. Once
+    # the deletion is overdue the operator looks the Node up, finds it gone, and removes the
+    # pod at once instead of waiting minutes for the pod garbage collector.
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.kube.delete_pod = _keep_deleting(h.kube)  # type: ignore[method-assign]
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    graceful = [(n, g) for n, g in h.kube.deleted if g]
+    assert len(graceful) == REPLICAS, h.kube.deleted
+    h.kube.nodes.discard("n1")  # deleted while the watch was down: never announced
+    assert h.cluster.node_ready("n1")
+    h.tick()
+    assert h.cluster.node_lost("n1", now=datetime.now(tz=UTC))
+    assert (h.pod(0, 1), 0) in h.kube.deleted, h.kube.deleted
+    forced = [n for n, g in h.kube.deleted if g == 0]
+    assert forced == [h.pod(0, 1)], "only the pod on the vanished node is forced"
+    # The nodes that exist were looked up once each; the next tick does not ask again.
+    assert sorted(h.kube.node_lookups, key=str) == ["n0", "n1", "n2"]
+    h.tick()
+    assert sorted(h.kube.node_lookups, key=str) == ["n0", "n1", "n2"]
 
 
 def test_the_hints_go_when_the_save_times_out_and_falls_back() -> None:
