@@ -282,8 +282,8 @@ class NoticeServer:
                     error=reason,
                     seconds=time.perf_counter() - notice_t,
                     phases={SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s},
+                    **self._served(local),
                 )
-                self._served(local)
                 return self._after(step, bg_error)
             self.status.update(state=State.SAVING)
             # Storage retries (S3) never start one that could not end before the margin.
@@ -294,8 +294,9 @@ class NoticeServer:
             phases = {SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s, **info.phases}
             self._finish(local, step, notice_t, phases, info.bytes)
         except BaseException as e:
-            self.status.update(state=State.FAILED, error=f"{type(e).__name__}: {e}")
-            self._served(local)
+            self.status.update(
+                state=State.FAILED, error=f"{type(e).__name__}: {e}", **self._served(local)
+            )
             raise
         return self._after(step, bg_error)
 
@@ -320,8 +321,8 @@ class NoticeServer:
             # A memory commit is not durable yet: its promotion moves this when it commits.
             last_committed_step=step if tier is Tier.DURABLE else self.last_committed(),
             tier=tier.value,
+            **self._served(local),
         )
-        self._served(local)
         log.warning(
             "rank %d: emergency checkpoint of step %d committed to the %s tier in %.2fs",
             self.rank,
@@ -330,20 +331,23 @@ class NoticeServer:
             total,
         )
 
-    def _served(self, local: LocalNotice) -> None:
-        """Forget ``local``'s notices; a control request that arrived during the save gets
-        its outcome (the status names its id), as the one it took would have."""
+    def _served(self, local: LocalNotice) -> dict[str, Any]:
+        """Forget ``local``'s notices; a control request that arrived during the save is
+        answered by its outcome, as the one it took would have been: returns the status field
+        that names it, for the outcome's one status write (a second write would count the
+        outcome twice in the sidecar's metrics)."""
         self.board.served(local)
         late = self.board.late_request(local)
-        if late is not None:
-            log.warning(
-                "rank %d: checkpoint request %s (%s) arrived during this notice's save: its "
-                "outcome answers it",
-                self.rank,
-                late.id,
-                late.reason,
-            )
-            self.status.update(request_id=late.id)
+        if late is None:
+            return {}
+        log.warning(
+            "rank %d: checkpoint request %s (%s) arrived during this notice's save: its "
+            "outcome answers it",
+            self.rank,
+            late.id,
+            late.reason,
+        )
+        return {"request_id": late.id}
 
     def _after(self, step: int, bg_error: BaseException | None) -> bool:
         if bg_error is not None:

@@ -133,6 +133,10 @@ def test_operator_request_leads_to_a_committed_step(
     _check_stopped_at(run, tmp_path, step)
 
     sc = pods[0]
+    # The metrics follow the status file on the sidecar's next look (every 0.5 s), while
+    # GET /v1/status reads it at once: wait for that look, then for each figure.
+    wait_for(lambda: _metric(sc, "baton_checkpoint_requests_total", result="committed") > 0,
+             timeout=30, what="the sidecar's metrics to see the commit")  # fmt: skip
     assert _metric(sc, "baton_checkpoint_requests_total", result="committed") == 1.0
     assert _metric(sc, "baton_checkpoint_last_committed_step") == step
     assert _metric(sc, "baton_checkpoint_seconds_count", trigger="notice") == 1.0
