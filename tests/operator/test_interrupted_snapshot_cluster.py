@@ -1,14 +1,14 @@
 """A memory snapshot whose replication was interrupted is never used, on the local cluster.
 
 A 2-pod job snapshots every 5 steps into its pods' memory and each pod's sidecar copies its
-pod's snapshot to the other pod. Once snapshot ``s`` has been copied both ways, and before
-the next snapshot begins, the sidecar of rank 1's pod is frozen (SIGSTOP: a process that
-stops answering, as a hung or swapped-out sidecar would). The next snapshot ``s + 5`` is then
-written completely into both pods' memory, but its copies cannot finish: rank 1's sidecar
-neither sends its pod's snapshot nor receives rank 0's. Rank 1's node is killed in that
-state. The survivor's memory holds a complete snapshot of ``s + 5`` (its own) and the replica
-of rank 1's ``s``: the ranks must restore ``s``, the newest step every rank's data survives
-for, never the newer step whose replication was interrupted, and end bitwise equal to an
+pod's snapshot to the other pod. The sidecar of rank 1's pod is frozen (SIGSTOP: a process
+that stops answering, as a hung or swapped-out sidecar would); ``s`` is then the newest
+replica of rank 1's snapshot in rank 0's memory. The next snapshot is written completely
+into both pods' memory, but its copies cannot finish: rank 1's sidecar neither sends its
+pod's snapshot nor receives rank 0's. Rank 1's node is killed in that state. The survivor's
+memory holds a complete snapshot newer than ``s`` (its own) and the replica of rank 1's
+``s``: the ranks must restore ``s``, the newest step every rank's data survives for, never
+the newer step whose replication was interrupted, and end bitwise equal to an
 uninterrupted run. (The process-level tests in tests/sdk/test_memory_tier.py and
 tests/sidecar/test_replication.py kill a writer mid-file, a sender and a receiver
 mid-transfer; this is the same rule through the operator's recovery.)
@@ -36,8 +36,6 @@ from baton_testing import trainer
 from baton_testing.cluster import LocalCluster
 from baton_testing.operator_harness import NAMESPACE, Baton, poll, unique
 
-from trainer_sdk.layout import step_dir
-
 pytestmark = pytest.mark.cluster
 
 SHARED_OPERATOR = True
@@ -45,10 +43,11 @@ OPERATOR_ARGS = ["--node-lost-seconds", "2"]
 """A node is called lost 2 s after it turns NotReady (the local cluster's node-monitor grace
 is 8 s), not the harness's 10 s: each of the two recoveries starts 8 s sooner."""
 
-STEPS = 40
+STEPS = 50
 REPLICAS = 2
 EVERY = 5
-"""``fastEverySteps``: a gap of several steps between two snapshots, to freeze in."""
+"""``fastEverySteps``: several steps between two snapshots, so that the trainer freeze below
+finds a write in progress within a few snapshots."""
 NO_DURABLE = 1000
 """``everySteps`` past the last step: no durable save before the job's end."""
 MEMORY_ROOT = Path("/dev/shm/localcluster")
@@ -91,10 +90,9 @@ def _memory_dir(pod: dict[str, Any]) -> Path:
     return MEMORY_ROOT / str(pod["metadata"]["uid"]) / "baton-fast"
 
 
-def _trained(out: Path) -> int:
-    """The last step rank 0 logged (it logs a step before its snapshot begins)."""
-    lines = (out / "loss.log").read_text().splitlines() if (out / "loss.log").exists() else []
-    return int(lines[-1].split()[0]) if lines else 0
+def _committed_steps(memory: Path) -> list[int]:
+    """The steps of the complete snapshots (with their manifest) of a pod's own in memory."""
+    return [int(m.parent.name.split("-")[1]) for m in memory.glob("step-*/manifest.json")]
 
 
 def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
@@ -126,39 +124,32 @@ def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
     pid = _sidecar_pid(baton.cluster, lost)
     frozen: list[int] = []
 
-    def freeze_between_snapshots() -> bool:
-        """Freeze rank 1's sidecar once snapshot s is copied both ways and s + EVERY has not
-        begun (rank 0 logs a step before its snapshot; the copies start only after every
-        rank's commit): then no copy newer than s can finish."""
-        mine, theirs = _sidecar_status(survivor, token), _sidecar_status(lost, token)
-        s = mine.get("last_replicated_step")
-        if not s or theirs.get("last_replicated_step") != s:
-            return False
-        if _held(mine, "w2-r1") != s or _held(theirs, "w2-r0") != s:
-            return False
-        if _trained(out) >= s + EVERY - 1:
-            return False  # too close to the next snapshot: wait for it to be copied
+    def freeze_then_a_newer_snapshot() -> bool:
+        """Freeze rank 1's sidecar, then wait for rank 0 to commit a snapshot newer than the
+        newest replica of rank 1's in its memory: no copy of it can finish (each needs the
+        frozen sidecar, as sender or receiver). Rarely rank 0's own copy of that replica's
+        step is what hangs, and no newer snapshot comes: let go and try again."""
+        if _held(_sidecar_status(survivor, token), "w2-r1") is None:
+            return False  # no replica of rank 1's yet: nothing the ranks could restore
         os.kill(pid, signal.SIGSTOP)
-        if _trained(out) >= s + EVERY:
-            os.kill(pid, signal.SIGCONT)  # the next snapshot may have begun: try again
-            return False
-        frozen.append(s)
-        return True
+        until = time.monotonic() + 20
+        while time.monotonic() < until:
+            newest = max(_committed_steps(_memory_dir(survivor)), default=0)
+            held = _held(_sidecar_status(survivor, token), "w2-r1")  # read after `newest`
+            if held is not None and newest > held:
+                frozen.append(held)
+                return True
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGCONT)
+        return False
 
-    poll(freeze_between_snapshots, timeout=120,
-         what="a snapshot copied both ways, then rank 1's sidecar frozen before the next",
-         diag=lambda: baton.diagnostics(job))  # fmt: skip
-    s = frozen[0]
-    newer = _memory_dir(survivor) / step_dir(s + EVERY)
     try:
-        # Snapshot s + EVERY is complete in the survivor's memory; its copies hang.
-        poll((newer / "manifest.json").is_file, timeout=120,
-             what=f"snapshot {s + EVERY} committed in rank 0's memory",
+        poll(freeze_then_a_newer_snapshot, timeout=180,
+             what="rank 1's sidecar frozen and a newer snapshot committed in rank 0's memory",
              diag=lambda: baton.diagnostics(job))  # fmt: skip
-        held = _held(_sidecar_status(survivor, token), "w2-r1")
-        assert held == s, f"rank 0's sidecar holds rank 1's step {held}, not {s}"
     finally:
         baton.cluster.kill_node(lost["spec"]["nodeName"])  # SIGKILL reaches a stopped process
+    s = frozen[0]
 
     recovered = baton.wait_for(
         job, lambda st: bool(st.get("lastRecovery")), timeout=180, what="the recovery to end"
