@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,19 @@ def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
     token = base64.b64decode(secret.data["token"]).decode()
     pid = _sidecar_pid(baton.cluster, lost)
     frozen: list[int] = []
+
+    def answering(pod: dict[str, Any]) -> bool:
+        """Whether the pod's sidecar serves its API yet (its trainer may be Running first)."""
+        try:
+            _sidecar_status(pod, token)
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ConnectionRefusedError):
+                return False
+            raise
+        return True
+
+    poll(lambda: answering(survivor) and answering(lost), timeout=120,
+         what="both sidecars answering", diag=lambda: baton.diagnostics(job))  # fmt: skip
 
     def freeze_then_a_newer_snapshot() -> bool:
         """Freeze rank 1's sidecar, then wait for rank 0 to commit a snapshot newer than the
