@@ -44,8 +44,7 @@ def _rank2_never_restores(root: str, sync_dir: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    # 6 s: ample for two ranks started together to meet; the wait is sat out once per run
-    ck = Checkpointer(root, model=model, optimizer=opt, timeout=6, handle_sigterm=False)
+    ck = Checkpointer(root, model=model, optimizer=opt, timeout=15, handle_sigterm=False)
     if rank == 2:
         _wait_for(sync / "done-0")
         _wait_for(sync / "done-1")
@@ -75,7 +74,7 @@ def test_a_rank_that_never_arrives_at_restore_is_named_within_the_timeout(
         r = results[rank]
         assert r["error"] == "CollectiveTimeoutError", r
         assert 2 in r["ranks"], r
-        assert "no answer within 6 s" in r["msg"], r["msg"]
+        assert "no answer within 15 s" in r["msg"], r["msg"]
         assert "never arrived" in r["msg"], r["msg"]
 
 
