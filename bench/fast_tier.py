@@ -85,7 +85,7 @@ def _tinylm_steps(root: Path, steps: int, fast: int | None, skip: int) -> list[f
                         str(steps),
                         "--uri",
                         str(run / "ck"),
-                        "--log",
+                        "--loss-log",
                         str(log),
                     ],
                     env=env,

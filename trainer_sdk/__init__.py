@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from trainer_sdk.checkpointer import Checkpointer as Checkpointer
     from trainer_sdk.checkpointer import RestoreInfo as RestoreInfo
     from trainer_sdk.checkpointer import ResumeError as ResumeError
-    from trainer_sdk.control import EXIT_RESTART_IN_PLACE as EXIT_RESTART_IN_PLACE
-    from trainer_sdk.control import EXIT_STOPPED_AFTER_NOTICE as EXIT_STOPPED_AFTER_NOTICE
     from trainer_sdk.errors import BatonError as BatonError
     from trainer_sdk.errors import CheckpointError as CheckpointError
     from trainer_sdk.errors import CollectiveTimeoutError as CollectiveTimeoutError
@@ -49,6 +47,8 @@ if TYPE_CHECKING:
     from trainer_sdk.sampler import ResumableSampler as ResumableSampler
     from trainer_sdk.staging import AsyncSaveHandle as AsyncSaveHandle
     from trainer_sdk.staging import async_save as async_save
+    from trainer_sdk.wire import EXIT_RESTART_IN_PLACE as EXIT_RESTART_IN_PLACE
+    from trainer_sdk.wire import EXIT_STOPPED_AFTER_NOTICE as EXIT_STOPPED_AFTER_NOTICE
 
 # public name -> submodule that defines it (keep in step with the TYPE_CHECKING imports above)
 _LAZY: dict[str, str] = {
@@ -79,8 +79,8 @@ _LAZY: dict[str, str] = {
     "SupersededError": "errors",
     "UnreadableCheckpointError": "errors",
     "UnsupportedFormatError": "errors",
-    "EXIT_RESTART_IN_PLACE": "control",
-    "EXIT_STOPPED_AFTER_NOTICE": "control",
+    "EXIT_RESTART_IN_PLACE": "wire",
+    "EXIT_STOPPED_AFTER_NOTICE": "wire",
     "promote": "_memory_tier",
     "RestoreInfo": "checkpointer",
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Final
 
 from trainer_sdk.errors import (
@@ -255,28 +256,69 @@ def latest_step(uri: Location) -> int | None:
     return newest_complete(open_storage(uri))
 
 
-def delete_step(uri: Location, step: int) -> None:
-    """Delete one step: the manifest first (so readers stop seeing it at once), then the rest."""
+def referenced_paths(manifests: Mapping[int, Manifest], *, without: int | None = None) -> set[str]:
+    """Storage keys of the shards that the steps in ``manifests`` (except ``without``) read
+    from *other* steps' directories (format v3 references)."""
+    out: set[str] = set()
+    for s, m in manifests.items():
+        if s != without:
+            out.update(m.path_of(k) for k, f in m.files.items() if f.step is not None)
+    return out
+
+
+def _sweep_dir(storage: Storage, step: int, referenced: set[str]) -> list[str]:
+    """Delete the files of ``step``'s directory that no kept step references; the directory
+    itself when nothing in it is referenced. Returns the storage keys kept."""
+    prefix = f"{step_dir(step)}/"
+    keep = sorted(p for p in referenced if p.startswith(prefix))
+    if not keep:
+        storage.delete_tree(step_dir(step))
+        return []
+    for name in storage.list_dir(step_dir(step)):
+        if prefix + name not in keep:
+            storage.delete(prefix + name)
+    return keep
+
+
+def delete_step(uri: Location, step: int, *, referenced: set[str] | None = None) -> None:
+    """Delete one step: the manifest first (so readers stop seeing it at once), then the rest,
+    except the shards a later complete step references (format v3): those stay in the
+    directory, which is no longer a step, until no kept step references them (the sweep of
+    :func:`cleanup_incomplete`). ``referenced``: those shards' keys, when already known."""
     storage = open_storage(uri)
+    if referenced is None:
+        referenced = referenced_paths(complete_steps(storage), without=step)
     storage.delete(manifest_key(step))
-    storage.delete_tree(step_dir(step))
+    kept = _sweep_dir(storage, step, referenced)
+    if kept:
+        log.info(
+            "step %d is deleted (no longer a restore point), but %d of its shard(s) are kept: "
+            "later steps reference them (%s)",
+            step,
+            len(kept),
+            ", ".join(kept),
+        )
 
 
 def cleanup_incomplete(uri: Location, *, older_than: int | None = None) -> list[str]:
     """Delete step directories that are provably abandoned: no manifest object at all, and
     older than ``older_than`` (default: the newest complete step, so an in-progress save is
     never touched). A directory whose manifest is bad or cannot be read is kept (it may be
-    good, or be evidence). Only a writer should call this, after its own commit. Returns the
-    deleted directory names."""
+    good, or be evidence). Shards that a complete step references (format v3) are kept, the
+    rest of their directory goes. Only a writer should call this, after its own commit.
+    Returns the names of the directories deleted whole."""
     storage = open_storage(uri)
     limit = latest_step(storage) if older_than is None else older_than
     if limit is None:
         return []
     removed = []
+    referenced: set[str] | None = None
     for s in step_dirs(storage):
         if s < limit and manifest_absent(storage, s):
-            storage.delete_tree(step_dir(s))
-            removed.append(step_dir(s))
+            if referenced is None:
+                referenced = referenced_paths(complete_steps(storage))
+            if not _sweep_dir(storage, s, referenced):
+                removed.append(step_dir(s))
     return removed
 
 
@@ -334,10 +376,12 @@ def retain(storage: Storage, *, committed: int, keep_last: int, attempt: int | N
             return
     complete = complete_steps(storage)
     keep = set(sorted(complete)[-keep_last:]) | {committed}
+    kept = {s: m for s, m in complete.items() if s in keep or s >= committed}
     for old, manifest in complete.items():
         if old < committed and old not in keep:
             if attempt is not None and manifest.attempt > attempt:
+                kept[old] = manifest
                 continue
-            delete_step(storage, old)
+            delete_step(storage, old, referenced=referenced_paths(kept))
     for name in cleanup_incomplete(storage, older_than=committed):
         log.info("removed incomplete checkpoint directory %s", name)

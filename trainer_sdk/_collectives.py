@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -37,10 +38,51 @@ __all__ = [
     "broadcast_json",
     "group_rank_world",
     "is_distributed",
+    "mark_failed",
+    "release_group",
     "start_all_reduce_max_",
 ]
 
+log = logging.getLogger("trainer_sdk.collectives")
+
 _counters: dict[str, itertools.count[int]] = {}
+
+_failed: set[str] = set()
+"""Names of the groups on which a collective failed or ran past its deadline."""
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return str(getattr(group or dist.group.WORLD, "group_name", "world"))
+
+
+def mark_failed(group: dist.ProcessGroup | None) -> None:
+    """Record that a collective on ``group`` failed or is still pending past its deadline: the
+    group's worker may be blocked on a dead peer, so :func:`release_group` leaves it alone."""
+    if group is not None:
+        _failed.add(_group_name(group))
+
+
+def release_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy a gloo group the SDK created, once nothing will use it again (its owner's
+    ``close()``), while the interpreter is still fully alive.
+
+    Why: a gloo group still alive at interpreter exit can abort the process ("terminate called
+    without an active exception", SIGABRT, pytorch#190489): its C++ worker threads still hold
+    finished works whose tensors are freed during the interpreter's finalization. A resumed
+    BatonTrainer run died so at exit in about 1 of 10 runs (the restore runs more collectives
+    on the SDK's groups) and turned a finished job into a failed one.
+
+    A group on which a collective failed or timed out (:func:`mark_failed`) is left as it is:
+    its worker may still wait on a dead peer, and destroying the group would wait for that
+    (up to the group's timeout) in a run that is ending with that error anyway.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    name = _group_name(group)
+    if name in _failed:
+        log.info("process group %s is not destroyed: a collective on it failed", name)
+        return
+    dist.destroy_process_group(group)
 
 
 def _next_seq(group: dist.ProcessGroup | None) -> str:
@@ -49,7 +91,7 @@ def _next_seq(group: dist.ProcessGroup | None) -> str:
     Counted per group, because the async writer runs its collectives on a group of its own, in
     another thread, interleaved differently on different ranks.
     """
-    name = str(getattr(group or dist.group.WORLD, "group_name", "world"))
+    name = _group_name(group)
     counter = _counters.setdefault(name, itertools.count())
     return f"baton/collective/{name}/{next(counter)}"
 
@@ -101,7 +143,26 @@ def _missing(seq: str, world: int) -> list[int] | None:
         return None
 
 
-def _wait(work: Any, *, deadline: float, what: str, seq: str, world: int, timeout: float) -> None:
+def _wait(
+    work: Any,
+    *,
+    group: dist.ProcessGroup | None,
+    deadline: float,
+    what: str,
+    seq: str,
+    world: int,
+    timeout: float,
+) -> None:
+    try:
+        _wait_for(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    except CollectiveTimeoutError:
+        mark_failed(group)
+        raise
+
+
+def _wait_for(
+    work: Any, *, deadline: float, what: str, seq: str, world: int, timeout: float
+) -> None:
     delay = 0.0005
     while not work.is_completed():
         if time.monotonic() > deadline:
@@ -156,7 +217,7 @@ def all_gather_json(
     size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     work = dist.all_gather(sizes, size, group=group, async_op=True)
-    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    _wait(work, group=group, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     lens = [int(s.item()) for s in sizes]
     width = max(lens)
     mine = torch.zeros(width, dtype=torch.uint8)
@@ -165,7 +226,7 @@ def all_gather_json(
     mine = mine.to(dev)
     bufs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)]
     work = dist.all_gather(bufs, mine, group=group, async_op=True)
-    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    _wait(work, group=group, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     return [
         json.loads(bytes(b[:n].cpu().numpy().tobytes())) for b, n in zip(bufs, lens, strict=True)
     ]
@@ -184,14 +245,14 @@ def broadcast_json(obj: Any, *, group: dist.ProcessGroup | None, timeout: float,
     payload = json.dumps(obj, separators=(",", ":")).encode() if rank == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     work = dist.broadcast(size, src=src, group=group, async_op=True)
-    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    _wait(work, group=group, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     n = int(size.item())
     buf = torch.zeros(n, dtype=torch.uint8)
     if rank == 0 and payload:
         buf[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     buf = buf.to(dev)
     work = dist.broadcast(buf, src=src, group=group, async_op=True)
-    _wait(work, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
+    _wait(work, group=group, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     return json.loads(bytes(buf.cpu().numpy().tobytes()))
 
 

@@ -49,6 +49,7 @@ ENV_VARS: Final[dict[str, tuple[str, type[Any]]]] = {
     "BATON_CONTROL_DIR": ("control_dir", str),
     "BATON_FAST_EVERY_STEPS": ("fast_every_steps", int),
     "BATON_FAST_DIR": ("fast_dir", str),
+    "BATON_FULL_EVERY_STEPS": ("full_every_steps", int),
 }
 """Environment overrides of :class:`CheckpointerConfig` fields: variable -> (field, type)."""
 
@@ -101,6 +102,14 @@ class CheckpointerConfig:
     fast_dir: str | None = None
     """The memory tier's directory: an ``emptyDir`` with ``medium: Memory``, one per pod.
     Restore considers its snapshots even when ``fast_every_steps`` is ``None``."""
+    full_every_steps: int = 0
+    """Incremental steps (format v3): a durable save references a frozen, unchanged tensor
+    in the step that wrote it instead of writing it again, unless that step is this many
+    steps old or more; then it is written again (a full rewrite), so reference chains reach
+    at most this far back and the old step's files can go. 0 (the default): never forced,
+    the frozen weights are written once per run and kept while a kept step references them
+    (a 70B LoRA run should not rewrite 140 GB to bound a chain); 1: never reference (every
+    save writes everything, as before v3). Off while the memory tier is on (``fast_dir``)."""
 
     @classmethod
     def from_env(
@@ -152,6 +161,11 @@ class CheckpointerConfig:
             )
         if self.deadline_margin < 0:
             raise CheckpointError("deadline_margin must be >= 0 seconds")
+        if self.full_every_steps < 0:
+            raise CheckpointError(
+                f"full_every_steps={self.full_every_steps}: use 0 (never force a full rewrite), "
+                "1 (always write everything) or a larger number of steps"
+            )
         if self.fast_every_steps is not None and self.fast_every_steps < 1:
             raise CheckpointError(
                 f"fast_every_steps={self.fast_every_steps}: use a positive number, or None for "

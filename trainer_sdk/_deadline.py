@@ -26,10 +26,10 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
 from trainer_sdk.storage._save_deadline import deadline_scope
 from trainer_sdk.storage.base import Storage
+from trainer_sdk.wire import Tier
 
 __all__ = ["PROBE_PREFIX", "SaveEstimator", "choose_tier", "deadline_scope", "probe_write"]
 
@@ -96,9 +96,7 @@ class SaveEstimator:
         return self.fixed_s + self.safety * nbytes / tput
 
 
-def choose_tier(
-    *, durable_s: float, memory_s: float, left: float | None
-) -> Literal["durable", "memory"] | None:
+def choose_tier(*, durable_s: float, memory_s: float, left: float | None) -> Tier | None:
     """Where a notice's save commits: ``"durable"``, ``"memory"``, or None (skip it).
 
     ``durable_s`` and ``memory_s`` are the slowest rank's estimates (seconds) of a durable
@@ -111,9 +109,9 @@ def choose_tier(
     rank takes the same decision.
     """
     if left is None or durable_s <= left:
-        return "durable"
+        return Tier.DURABLE
     if math.isfinite(memory_s) and memory_s <= left:
-        return "memory"
+        return Tier.MEMORY
     return None
 
 

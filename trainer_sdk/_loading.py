@@ -10,6 +10,7 @@ tensor references. The public entry points are :func:`trainer_sdk.api.load` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -103,14 +104,24 @@ class Reader:
         self.bytes_read = 0
 
     def _path(self, name: str) -> str:
+        """Where ``files[name]`` lives: this step's directory, or the earlier step's that a
+        reference (v3) names; such a path says which step references it."""
+        if name in self.m.files:
+            path = self.m.path_of(name)
+            if self.m.files[name].step is not None:
+                return f"{path} (referenced by step {self.m.step})"
+            return path
         return file_path(self.m.step, name)
+
+    def _key(self, name: str) -> str:
+        return self.m.path_of(name)
 
     def check_size(self, name: str) -> None:
         if name in self._sizes_ok:
             return
         path = self._path(name)
         try:
-            size = self.storage.size(path)
+            size = self.storage.size(self._key(name))
         except FileNotFoundError as e:
             raise CorruptCheckpointError("missing, but the manifest lists it", path=path) from e
         want = self.m.files[name].size
@@ -125,7 +136,7 @@ class Reader:
     def read_json(self, rank: int) -> Any:
         name = json_name(rank, self.m.world_size)
         self.check_size(name)
-        data = self.storage.read_bytes(self._path(name))
+        data = self.storage.read_bytes(self._key(name))
         algorithm, want = self.m.files[name].digest
         h = new_hasher(algorithm)
         h.update(data)
@@ -150,6 +161,7 @@ class Reader:
         """Bytes [start, end) of piece ``p`` into ``out``, verifying every block touched."""
         self.check_size(p.file)
         path = self._path(p.file)
+        key_path = self._key(p.file)
         bs = self.m.block_size
         # Whole blocks are read in runs of up to read_run bytes per read_into call: on S3 one
         # call fans out into parallel ranged GETs, and the checksums of a run are verified in
@@ -161,7 +173,7 @@ class Reader:
             for i in range(0, len(whole), run_blocks):
                 run = whole[i : i + run_blocks]
                 r0, r1 = run[0] * bs, min((run[-1] + 1) * bs, p.nbytes)
-                self.storage.read_into(path, p.begin + r0, out[r0 - start : r1 - start])
+                self.storage.read_into(key_path, p.begin + r0, out[r0 - start : r1 - start])
                 for k in run:
                     view = out[k * bs - start : min((k + 1) * bs, p.nbytes) - start]
                     self._checks.append(
@@ -174,7 +186,7 @@ class Reader:
                     continue  # read above
                 # an edge block: read it whole into scratch so it can be verified
                 tmp = bytearray(b1 - b0)
-                self.storage.read_into(path, p.begin + b0, memoryview(tmp))
+                self.storage.read_into(key_path, p.begin + b0, memoryview(tmp))
                 self._verify(tmp, p.crc32[k], path, key, k)
                 lo, hi = max(start, b0), min(end, b1)
                 out[lo - start : hi - start] = memoryview(tmp)[lo - b0 : hi - b0]
@@ -260,6 +272,13 @@ class Reader:
         dest.copy_(tmp)
 
 
+def _touched(t: torch.Tensor) -> None:
+    """Bump ``t``'s version counter: the bytes were written around autograd (straight into its
+    memory), and incremental saves (``_reuse``) trust the counter to see every change."""
+    with contextlib.suppress(RuntimeError):  # inference tensors have no version counter
+        torch.autograd.graph.increment_version(t)
+
+
 def torch_dtype(code: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype code."""
     return ST_TO_TORCH[code]
@@ -301,6 +320,7 @@ class _TensorRestorer:
                     cur = None
                 else:
                     self.r.read_piece(key, piece, cur)
+                    _touched(cur)
                     return cur
             out = torch.empty(piece.shape, dtype=dt)
             self.r.read_piece(key, piece, out)
@@ -317,6 +337,7 @@ class _TensorRestorer:
                 local = local[tuple(slice(0, s) for s in local_shape)]
             with torch.no_grad():
                 self.r.read_box(key, entry, local, off, local_shape)
+            _touched(local)
             return cur
         if isinstance(cur, torch.Tensor):
             if tuple(cur.shape) != entry.shape or cur.dtype != dt:
@@ -325,6 +346,7 @@ class _TensorRestorer:
             else:
                 with torch.no_grad():
                     self.r.read_box(key, entry, cur, (0,) * len(entry.shape), entry.shape)
+                _touched(cur)
                 return cur
         out = torch.empty(entry.shape, dtype=dt)
         self.r.read_box(key, entry, out, (0,) * len(entry.shape), entry.shape)

@@ -32,6 +32,9 @@ Who calls what, and in which order (every rank alike, at the same step):
 The durable tier never waits for this one: a durable or notice save does not wait for a
 snapshot in flight (they use other threads, buffers and process groups), and the snapshot
 writer yields the CPU to them.
+
+One module just over 600 lines: the snapshot, its commit, its promotion and the restore from
+memory share the tier's state (the pinned step, the savers, the peers' replicas).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 from trainer_sdk import _catalog, api
 from trainer_sdk._collectives import all_gather_json, group_rank_world
 from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._saving import _update_latest, build_manifest, check_writable, write_rank
+from trainer_sdk._saving import build_manifest, check_writable, commit_manifest, write_rank
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -73,8 +76,6 @@ from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
 from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [
-    "DURABLE",
-    "MEMORY",
     "TRIGGER",
     "MemoryTier",
     "RestoreInfo",
@@ -84,10 +85,6 @@ __all__ = [
 
 log = logging.getLogger("trainer_sdk.memory_tier")
 
-MEMORY: Final = "memory"
-"""The tier name of a load from (or a commit to) ``fast_dir``."""
-DURABLE: Final = "durable"
-"""The tier name of a load from the checkpoint uri."""
 TRIGGER: Final = "memory"
 """The ``trigger`` a snapshot's manifest records (kept when it is promoted)."""
 
@@ -99,8 +96,8 @@ class RestoreInfo:
     step: int
     """The step loaded; 0 when there was none."""
     tier: str | None
-    """``"memory"`` (the snapshot in ``fast_dir``), ``"durable"`` (the checkpoint uri), or
-    ``None`` when nothing was loaded."""
+    """The value of :class:`~trainer_sdk.wire.Tier` loaded from: ``"memory"`` (the snapshot in
+    ``fast_dir``), ``"durable"`` (the checkpoint uri), or ``None`` when nothing was loaded."""
     uri: str | None
     """The root the step was read from."""
 
@@ -279,7 +276,7 @@ class MemoryTier:
                 # a snapshot readers refuse only sends restore to the durable tier. Compact
                 # (the C encoder): the indented form was a third of a small model's write.
                 data = manifest.to_json_bytes(indent=None)
-                self.storage.create_exclusive(_catalog.manifest_key(step), data)
+                commit_manifest(self.storage, step, data, latest=False)
             except Exception as e:
                 if self.world == 1:
                     raise
@@ -515,16 +512,11 @@ class MemoryTier:
         final: dict[str, Any] = {"ok": True}
         if self.rank == 0 and not dst.exists(key):
             try:
-                dst.create_exclusive(key, data)  # the commit marker, last
+                commit_manifest(dst, step, data)  # the commit marker, last; then latest
             except Exception as e:
                 if self.world == 1:
                     raise
                 final = _error_json(self.rank, e)
-            else:
-                try:
-                    _update_latest(dst, step)
-                except Exception as e:  # committed; latest is only a hint
-                    log.warning("promoted step %d, but moving 'latest' failed: %s", step, e)
         if self.world > 1:
             finals = all_gather_json(final, group=group, timeout=timeout, what=what)
             self._raise_failures(finals, step, "committing the promoted manifest")
@@ -627,10 +619,6 @@ def promote(fast_dir: Location, uri: Location, *, step: int) -> int:
     copied = 0
     for name, entry in manifest.files.items():
         copied += _copy_verified(src, dst, step, name, entry)
-    dst.create_exclusive(key, data)  # the commit marker, last
-    try:
-        _update_latest(dst, step)
-    except Exception as e:  # committed; latest is only a hint
-        log.warning("promoted step %d to %s, but moving 'latest' failed: %s", step, dst.uri, e)
+    commit_manifest(dst, step, data)  # the commit marker, last; then latest
     log.info("promoted memory snapshot of step %d to %s (%d bytes)", step, dst.uri, copied)
     return copied + len(data)

@@ -34,12 +34,19 @@ from typing import Any, Final
 from trainer_sdk._collectives import all_reduce_max
 from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
 from trainer_sdk._saving import SaveInfo
-from trainer_sdk.control import ControlChannel, SavePhase, State, Status, Tier
+from trainer_sdk.control import ControlChannel, Status
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.planning import FlatState, SavePlan
 from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
+from trainer_sdk.wire import SavePhase, State, Tier
 
-__all__ = ["HEARTBEAT_EVERY_S", "MemoryCommit", "NoticeServer", "StatusReporter"]
+__all__ = [
+    "HEARTBEAT_EVERY_S",
+    "MemoryCommit",
+    "NoticeServer",
+    "StatusReporter",
+    "announce_notice",
+]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
 
@@ -169,30 +176,7 @@ class NoticeServer:
         it is raised after the notice was served."""
         notice_t = time.perf_counter()
         trigger = agreement.trigger
-        deadline_dt = (
-            None
-            if agreement.deadline is None
-            else datetime.fromtimestamp(agreement.deadline, tz=UTC)
-        )
-        log.warning(
-            "rank %d: checkpoint notice (%s) at step %d%s",
-            self.rank,
-            ", ".join(sorted(agreement.sources)),
-            step,
-            "" if deadline_dt is None else f", deadline {deadline_dt.isoformat()}",
-        )
-        self.status.update(
-            state=State.REQUESTED,
-            request_id=local.control.id if local.control is not None else None,
-            step=step,
-            trigger=trigger,
-            deadline=deadline_dt,
-            error=None,
-            seconds=None,
-            phases={},
-            bytes=None,
-            uri=None,
-        )
+        announce_notice(self.status, rank=self.rank, step=step, local=local, agreement=agreement)
         bg_error: BaseException | None = None
         try:
             # An async save in flight finishes first: it is an older, consistent step and
@@ -226,7 +210,7 @@ class NoticeServer:
                 else agreement.deadline - self.deadline_margin - now0
             )
             tier = choose_tier(durable_s=est_max, memory_s=mem_max, left=left)
-            if tier == "memory" and self.memory is not None:
+            if tier is Tier.MEMORY and self.memory is not None:
                 log.warning(
                     "rank %d: a durable save of step %d is estimated at %.2fs, the memory tier "
                     "with its replication at %.2fs, and %.2fs are left before the deadline "
@@ -356,3 +340,28 @@ class NoticeServer:
                 f"failed: {bg_error}"
             ) from bg_error
         return True
+
+
+def announce_notice(
+    status: StatusReporter, *, rank: int, step: int, local: LocalNotice, agreement: Agreement
+) -> datetime | None:
+    """Log an agreed notice and report it to the sidecar as ``requested`` (every saver that
+    serves notices: :class:`NoticeServer`, the DCP loop's ``BatonNotices``); returns its
+    deadline, if any."""
+    deadline = (
+        None if agreement.deadline is None else datetime.fromtimestamp(agreement.deadline, tz=UTC)
+    )
+    log.warning(
+        "rank %d: checkpoint notice (%s) at step %d%s",
+        rank,
+        ", ".join(sorted(agreement.sources)),
+        step,
+        "" if deadline is None else f", deadline {deadline.isoformat()}",
+    )
+    status.update(
+        state=State.REQUESTED,
+        request_id=local.control.id if local.control is not None else None,
+        step=step, trigger=agreement.trigger, deadline=deadline, error=None,
+        seconds=None, phases={}, bytes=None, uri=None,
+    )  # fmt: skip
+    return deadline

@@ -33,11 +33,6 @@ class Progress:
         self._width = 0
         self._pending: str | None = None
 
-    @property
-    def interactive(self) -> bool:
-        """Whether updates redraw one terminal line."""
-        return self._tty
-
     def update(self, text: str) -> None:
         """Show ``text`` if enough time passed since the last line shown."""
         now = time.monotonic()

@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -28,9 +28,8 @@ import torch
 
 from trainer_sdk import _catalog
 from trainer_sdk._collectives import all_gather_json, broadcast_json, group_rank_world
-from trainer_sdk._safetensors_io import PieceSource, write_shard
+from trainer_sdk._safetensors_io import PieceSource, ShardResult, write_shard
 from trainer_sdk._version import __version__ as _baton_version
-from trainer_sdk.control import SavePhase, Trigger
 from trainer_sdk.errors import (
     CheckpointError,
     RankFailedError,
@@ -39,7 +38,9 @@ from trainer_sdk.errors import (
 )
 from trainer_sdk.layout import (
     BLOCK_SIZE,
+    FORMAT_VERSION,
     LATEST,
+    PLAIN_VERSION,
     FileEntry,
     Manifest,
     Piece,
@@ -51,16 +52,21 @@ from trainer_sdk.layout import (
 )
 from trainer_sdk.planning import FlatState, SavePlan
 from trainer_sdk.storage import Storage
+from trainer_sdk.wire import SavePhase, Trigger
 
 __all__ = [
     "RankRecord",
+    "References",
     "SaveInfo",
     "build_manifest",
     "check_writable",
     "commit",
+    "commit_built_manifest",
     "commit_failure",
+    "commit_manifest",
     "write_and_commit",
     "write_rank",
+    "write_shard_file",
 ]
 
 log = logging.getLogger("trainer_sdk.api")
@@ -82,6 +88,17 @@ class SaveInfo:
     files: int
     """Number of files in the step (shards and JSON files, without the manifest)."""
     trigger: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class References:
+    """Tensors a save does not write but references in earlier steps (format v3): the same
+    on every rank (agreed before planning, see :mod:`trainer_sdk._reuse`)."""
+
+    files: Mapping[str, FileEntry]
+    """``ref_key(S, name)`` -> the entry step S committed for that shard, with ``step=S``."""
+    tensors: Mapping[str, TensorEntry]
+    """key -> the whole entry, its pieces naming keys of ``files``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +145,46 @@ def _json_default(v: Any) -> Any:
     raise TypeError(f"{type(v).__name__} is not JSON-serialisable")
 
 
+def write_shard_file(
+    storage: Storage,
+    sources: list[PieceSource],
+    *,
+    step: int,
+    rank: int,
+    world: int,
+    block_size: int = BLOCK_SIZE,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[str, ShardResult]:
+    """Write and commit this rank's shard file of ``step`` from ``sources``; its name and
+    what was written (sizes, digests, every piece's byte range and block crc32s). Refuses to
+    publish into a step that another writer committed meanwhile. ``metadata`` adds entries to
+    the safetensors header's ``__metadata__``. Used by :func:`write_rank` and by the DCP
+    backend (``integrations.dcp``), whose planner decides the pieces."""
+    sname = shard_name(rank, world)
+    writer = storage.open_writer(
+        file_path(step, sname), size_hint=sum(s.end - s.start for s in sources)
+    )
+    try:
+        res = write_shard(
+            writer,
+            sources,
+            metadata={
+                "format": "baton-checkpoint-v1",
+                "step": str(step),
+                "rank": str(rank),
+                "world_size": str(world),
+                **(metadata or {}),
+            },
+            block_size=block_size,
+        )
+        _refuse_if_committed(storage, step)  # never publish a file into a committed step
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return sname, res
+
+
 def write_rank(
     storage: Storage,
     plan: SavePlan,
@@ -157,25 +214,9 @@ def write_rank(
                 name=p.name, dtype=p.dtype, shape=p.shape, tensor=t, start=p.start, end=p.end
             )
         )
-    sname, jname = shard_name(rank, world), json_name(rank, world)
-    writer = storage.open_writer(file_path(step, sname), size_hint=plan.nbytes)
-    try:
-        res = write_shard(
-            writer,
-            sources,
-            metadata={
-                "format": "baton-checkpoint-v1",
-                "step": str(step),
-                "rank": str(rank),
-                "world_size": str(world),
-            },
-            block_size=block_size,
-        )
-        _refuse_if_committed(storage, step)  # never publish a file into a committed step
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    jname = json_name(rank, world)
+    sname, res = write_shard_file(storage, sources, step=step, rank=rank, world=world,
+                                  block_size=block_size)  # fmt: skip
     try:
         jdata = json.dumps(json_tree, allow_nan=False, default=_json_default).encode()
     except (TypeError, ValueError) as e:
@@ -265,10 +306,17 @@ def _superseded(storage: Storage, step: int, attempt: int, newest: int) -> Super
 
 
 def build_manifest(
-    records: list[dict[str, Any]], *, step: int, trigger: str, block_size: int, extra: Any
+    records: list[dict[str, Any]],
+    *,
+    step: int,
+    trigger: str,
+    block_size: int,
+    extra: Any,
+    references: References | None = None,
 ) -> Manifest:
     """The manifest of ``step`` from every rank's record (in rank order), without an attempt
-    (the committer sets it). Every rank can build it; :func:`commit` and the memory tier do."""
+    (the committer sets it). Every rank can build it; :func:`commit` and the memory tier do.
+    ``references``: tensors taken whole from earlier steps (then the manifest is v3)."""
     world = len(records)
     files: dict[str, FileEntry] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -300,7 +348,16 @@ def build_manifest(
         if m["kind"] == "rank_local" and ps:
             shape, dtype = ps[0].shape, ps[0].dtype
         tensors[key] = TensorEntry(kind=m["kind"], dtype=dtype, shape=shape, pieces=ps)
+    version = PLAIN_VERSION
+    if references is not None and references.tensors:
+        version = FORMAT_VERSION
+        files.update(references.files)
+        for key, entry in references.tensors.items():
+            if pieces.get(key):
+                raise CheckpointError(f"tensor {key!r} is both written and referenced")
+            tensors[key] = entry
     return Manifest(
+        version=version,
         step=step,
         world_size=world,
         trigger=trigger,
@@ -325,6 +382,7 @@ def commit(
     block_size: int = BLOCK_SIZE,
     extra: Mapping[str, Any] | None = None,
     attempt: int | None = None,
+    references: References | None = None,
 ) -> Manifest:
     """Phase 4: agree on the outcome; rank 0 writes the manifest (the commit), then ``latest``.
 
@@ -362,29 +420,17 @@ def commit(
             "rank; wrap per-rank values in trainer_sdk.RankLocal."
         )
     manifest = build_manifest(
-        records, step=step, trigger=trigger, block_size=block_size, extra=dict(extra or {})
-    )
+        records, step=step, trigger=trigger, block_size=block_size, extra=dict(extra or {}),
+        references=references,
+    )  # fmt: skip
     outcome: dict[str, Any] = {"ok": True}
     if rank == 0:
         try:
-            manifest = _commit_manifest(storage, manifest, attempt)
+            manifest = commit_built_manifest(storage, manifest, attempt)
         except Exception as e:  # reported to every rank below
             outcome = _error_json(0, e)
             if world == 1:
                 raise
-        else:
-            try:
-                _update_latest(storage, step)
-            except Exception as e:  # the step is committed; latest is only a hint
-                log.warning(
-                    "step %d is committed under %s, but moving %r to it failed (%s: %s); "
-                    "readers still find it (they list the manifests)",
-                    step,
-                    storage.uri,
-                    LATEST,
-                    type(e).__name__,
-                    e,
-                )
     if world > 1:
         outcome = broadcast_json(
             {**outcome, "attempt": manifest.attempt} if outcome.get("ok") else outcome,
@@ -402,9 +448,10 @@ def commit(
     return manifest
 
 
-def _commit_manifest(storage: Storage, manifest: Manifest, attempt: int | None) -> Manifest:
-    """Rank 0's commit: fence check, then create the manifest exclusively. Returns the
-    manifest as written (with its attempt)."""
+def commit_built_manifest(storage: Storage, manifest: Manifest, attempt: int | None) -> Manifest:
+    """Rank 0's commit of a durable save: fence check, then :func:`commit_manifest`. Returns
+    the manifest as written (with its attempt). Also the commit of a step written through DCP
+    (``integrations.dcp``), whose coordinator builds the manifest itself."""
     step = manifest.step
     newest = _catalog.newest_attempt(storage)
     if attempt is None:
@@ -414,8 +461,10 @@ def _commit_manifest(storage: Storage, manifest: Manifest, attempt: int | None) 
     manifest = dataclasses.replace(manifest, attempt=attempt)
     data = manifest.to_json_bytes()
     Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
+    if manifest.referenced_steps():
+        _check_references(storage, manifest)
     try:
-        storage.create_exclusive(_manifest_key(step), data)
+        commit_manifest(storage, step, data)
     except FileExistsError as e:
         raise CheckpointError(
             f"step {step} under {storage.uri} was committed by another writer at the same "
@@ -425,8 +474,71 @@ def _commit_manifest(storage: Storage, manifest: Manifest, attempt: int | None) 
     return manifest
 
 
+def _check_references(storage: Storage, manifest: Manifest) -> None:
+    """The fencing of references (v3): every referenced shard must be one that a complete
+    step of this root's lineage committed (in its own directory, or referenced in turn) with
+    the very same entry, and must still be there at its size. Otherwise nothing is committed."""
+    complete = _catalog.complete_steps(storage)
+    known: dict[str, FileEntry] = {}
+    for s, m in complete.items():
+        for k, f in m.files.items():
+            if f.step is None and k.endswith(".safetensors"):
+                known[m.path_of(k)] = dataclasses.replace(f, step=s)
+            elif f.step is not None:
+                known[m.path_of(k)] = f
+    for k, f in manifest.files.items():
+        if f.step is None:
+            continue
+        path = manifest.path_of(k)
+        if known.get(path) != f:
+            raise CheckpointError(
+                f"step {manifest.step} would reference {path}, which no complete step under "
+                f"{storage.uri} committed with that size and digest (deleted, or rewritten by "
+                "another writer); not committed, the next save writes the tensors again"
+            )
+        try:
+            size = storage.size(path)
+        except FileNotFoundError:
+            size = -1
+        if size != f.size:
+            raise CheckpointError(
+                f"step {manifest.step} would reference {path}, which is "
+                f"{'missing' if size < 0 else f'{size} bytes, not {f.size}'}; not committed, "
+                "the next save writes the tensors again"
+            )
+
+
 def _manifest_key(step: int) -> str:
     return _catalog.manifest_key(step)
+
+
+def commit_manifest(storage: Storage, step: int, data: bytes, *, latest: bool = True) -> None:
+    """The commit of ``step`` under ``storage``: create its manifest (``data``) exclusively,
+    then, with ``latest``, point ``latest`` at it.
+
+    The one commit path of durable saves, memory snapshots (``latest=False``: ``fast_dir`` has
+    no ``latest``) and promotions. The manifest is the commit marker, so the caller writes it
+    last, after every file it lists, and does its fencing check before. It is created only if
+    none is there yet (``If-None-Match: *`` on S3, ``link`` on a filesystem):
+    ``FileExistsError`` when another writer committed the step first (the caller says what
+    that means for it). Once it is written the step is committed: a failure to move ``latest``
+    afterwards is logged as a warning and never raised (readers list the manifests).
+    """
+    storage.create_exclusive(_manifest_key(step), data)
+    if not latest:
+        return
+    try:
+        _update_latest(storage, step)
+    except Exception as e:  # the step is committed; latest is only a hint
+        log.warning(
+            "step %d is committed under %s, but moving %r to it failed (%s: %s); "
+            "readers still find it (they list the manifests)",
+            step,
+            storage.uri,
+            LATEST,
+            type(e).__name__,
+            e,
+        )
 
 
 def _update_latest(storage: Storage, step: int) -> None:
@@ -466,6 +578,9 @@ def write_and_commit(
     phases: dict[str, float] | None = None,
     attempt: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    run_commit: Callable[[Callable[[], Manifest]], Manifest] | None = None,
+    references: References | None = None,
+    on_manifest: Callable[[Manifest], None] | None = None,
 ) -> SaveInfo:
     """Phases 3 and 4 together, with the rules every saver needs (sync, async, Checkpointer).
 
@@ -474,7 +589,10 @@ def write_and_commit(
     (A rank whose *earlier* phase failed calls :func:`commit_failure` instead.) ``started``
     is the ``time.perf_counter()`` at which the save began; ``phases`` has the earlier phases'
     times. ``attempt`` and ``extra`` go to :func:`commit` (fencing, and free-form manifest
-    JSON).
+    JSON). ``run_commit(fn)``, if given, runs phase 4 (``fn``) where it must run: an async
+    save writes at background priority and commits at normal priority (``staging``).
+    ``references`` go to the manifest (tensors not written, see :class:`References`);
+    ``on_manifest(manifest)`` runs on every rank once the step is committed.
     """
     phases = dict(phases or {})
     t = time.perf_counter()
@@ -489,10 +607,16 @@ def write_and_commit(
     phases[SavePhase.WRITE] = time.perf_counter() - t
     phases[SavePhase.HASH] = record.hash_seconds
     t = time.perf_counter()
-    manifest = commit(
-        storage, record, step=step, trigger=trigger, process_group=process_group,
-        timeout=timeout, attempt=attempt, extra=extra,
-    )  # fmt: skip
+
+    def phase4() -> Manifest:
+        return commit(
+            storage, record, step=step, trigger=trigger, process_group=process_group,
+            timeout=timeout, attempt=attempt, extra=extra, references=references,
+        )  # fmt: skip
+
+    manifest = phase4() if run_commit is None else run_commit(phase4)
+    if on_manifest is not None:
+        on_manifest(manifest)
     phases[SavePhase.COMMIT] = time.perf_counter() - t
     return SaveInfo(
         step=step,

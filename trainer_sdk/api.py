@@ -54,6 +54,7 @@ from trainer_sdk._collectives import broadcast_json, group_rank_world
 from trainer_sdk._loading import LoadInfo, Reader, classify_load_error, load_step, torch_dtype
 from trainer_sdk._saving import (
     RankRecord,
+    References,
     SaveInfo,
     check_writable,
     commit,
@@ -62,11 +63,11 @@ from trainer_sdk._saving import (
     write_rank,
 )
 from trainer_sdk._tree import flatten
-from trainer_sdk.control import SavePhase, Trigger
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.layout import Manifest, step_dir
 from trainer_sdk.planning import FlatEntry, FlatState, SavePlan, plan_save
 from trainer_sdk.storage import Location, Storage, open_storage
+from trainer_sdk.wire import SavePhase, Trigger
 
 __all__ = [
     "FlatEntry",
@@ -74,6 +75,7 @@ __all__ = [
     "LoadInfo",
     "Manifest",
     "RankRecord",
+    "References",
     "SaveInfo",
     "SavePlan",
     "check_writable",

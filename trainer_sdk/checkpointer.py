@@ -25,9 +25,11 @@ the step. See ``docs/checkpointer.md`` for the policies, the resume rules and th
 The Checkpointer orchestrates; the work is elsewhere: its settings in ``_config.py``, the state
 dict and its application in ``_training_state.py``, serving a notice and the status file in
 ``_notices.py``, the agreement in ``signals.py``, async saves in ``staging.py``, the protocol
-behind ``api.py``, every collective in ``_collectives.py``. (Why it is still near 700 lines:
-``restore`` and ``step`` decide together, on every rank alike, which step to load, when to
-save and when to stop, and those decisions read best side by side.)
+behind ``api.py``, every collective in ``_collectives.py``. Why the module is this long: the
+Checkpointer still holds, besides the training-loop face (``restore``, ``step``, ``save``,
+``request``, ``close``), restore's agreement on the step and its fallback between the memory
+tier and the durable one, and the save engine (prepare, snapshot, commit to the memory tier,
+promote, drain). Issue #25 moves restore and the save engine into modules of their own.
 """
 
 from __future__ import annotations
@@ -43,21 +45,14 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import _catalog, api
-from trainer_sdk._collectives import all_gather_json, broadcast_json
+from trainer_sdk._collectives import all_gather_json, broadcast_json, release_group
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
-from trainer_sdk._memory_tier import DURABLE, MEMORY, MemoryTier, RestoreInfo
+from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
 from trainer_sdk._notices import MemoryCommit, NoticeServer, StatusReporter
+from trainer_sdk._reuse import Reuse, frozen_storages
 from trainer_sdk._training_state import ResumeError, TrainingState
-from trainer_sdk.control import (
-    EXIT_RESTART_IN_PLACE,
-    EXIT_STOPPED_AFTER_NOTICE,
-    ROUTINE_TRIGGERS,
-    ControlChannel,
-    State,
-    Tier,
-    Trigger,
-)
+from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import (
     BatonError,
     CheckpointError,
@@ -76,8 +71,21 @@ from trainer_sdk.signals import (
     agreement_buffer,
     start_agreement,
 )
-from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver, stage_and_commit
+from trainer_sdk.staging import (
+    NORMAL_PRIORITY_BYTES,
+    AsyncSaveHandle,
+    AsyncSaver,
+    stage_and_commit,
+)
 from trainer_sdk.storage import Location, Storage, open_storage
+from trainer_sdk.wire import (
+    EXIT_RESTART_IN_PLACE,
+    EXIT_STOPPED_AFTER_NOTICE,
+    ROUTINE_TRIGGERS,
+    State,
+    Tier,
+    Trigger,
+)
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "RestoreInfo", "ResumeError"]
 
@@ -133,6 +141,7 @@ class Checkpointer:
         probe_bytes: int = 8 << 20,
         fast_every_steps: int | None = None,
         fast_dir: str | os.PathLike[str] | None = None,
+        full_every_steps: int | None = None,
     ) -> None:
         storage: Storage | None = None
         given: str | None = None
@@ -158,6 +167,7 @@ class Checkpointer:
             probe_bytes=probe_bytes,
             fast_every_steps=fast_every_steps,
             fast_dir=os.fspath(fast_dir) if fast_dir else None,
+            full_every_steps=full_every_steps,
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -182,7 +192,9 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=self.config.timeout)
         # Built by every rank in the same order: it creates the background save group.
         self._saver: AsyncSaver | None = (
-            AsyncSaver(timeout=self.config.timeout) if self.config.async_save else None
+            AsyncSaver(timeout=self.config.timeout, normal_priority_below=NORMAL_PRIORITY_BYTES)
+            if self.config.async_save
+            else None
         )
         # The memory tier has its own writer, buffers and group (built next, by every rank in
         # the same order), so that it never waits for the durable saver or delays it.
@@ -199,6 +211,9 @@ class Checkpointer:
         )
         self._restored = RestoreInfo(step=0, tier=None, uri=None)
         self._plans = PlanCache()  # the same tensors at every save: planned once
+        # Incremental steps: what committed steps hold, to reference instead of rewrite.
+        self._reuse = Reuse(full_every_steps=self.config.full_every_steps, group=self._group,
+                            timeout=self.config.timeout.total_seconds())  # fmt: skip
 
         self._sigterm = SigtermListener() if handle_sigterm else None
         if self._sigterm is not None:
@@ -259,17 +274,19 @@ class Checkpointer:
         if not self._estimator.measured:
             self._probe()
         # Newest first; at the same step the memory tier first (it is faster to read).
-        candidates: list[tuple[int, str]] = sorted(
-            [(s, DURABLE) for s in steps] + [(s, MEMORY) for s in snapshots],
-            key=lambda c: (c[0], c[1] == MEMORY),
+        candidates: list[tuple[int, Tier]] = sorted(
+            [(s, Tier.DURABLE) for s in steps] + [(s, Tier.MEMORY) for s in snapshots],
+            key=lambda c: (c[0], c[1] == Tier.MEMORY),
             reverse=True,
         )
         loaded: int | None = None
-        tier: str | None = None
+        tier: Tier | None = None
         root = self.config.uri
         for candidate, where in candidates:
-            storage = self.storage if where == DURABLE or self._fast is None else self._fast.storage
-            root = self.config.uri if where == DURABLE else storage.uri
+            storage = (
+                self.storage if where == Tier.DURABLE or self._fast is None else self._fast.storage
+            )
+            root = self.config.uri if where == Tier.DURABLE else storage.uri
             error: BaseException | None = None
             verdict = _LOAD_OK
             try:
@@ -282,7 +299,7 @@ class Checkpointer:
             if verdict == _LOAD_OK:
                 loaded, tier = candidate, where
                 break
-            if where == MEMORY and verdict != _LOAD_FATAL:
+            if where == Tier.MEMORY and verdict != _LOAD_FATAL:
                 # The durable tier is the ground truth: a snapshot that cannot be read is
                 # never a reason to stop, whatever the cause.
                 log.warning(
@@ -344,11 +361,11 @@ class Checkpointer:
                 loaded,
             )
         if self._fast is not None:
-            self._clear_snapshots(keep=loaded if tier == MEMORY else None)
+            self._clear_snapshots(keep=loaded if tier == Tier.MEMORY else None)
         if loaded is None:
             log.info("no checkpoint under %s: starting from step 0", self.config.uri)
             return 0
-        if self._fast is not None and tier == DURABLE and not snapshots and self.rank == 0:
+        if self._fast is not None and tier == Tier.DURABLE and not snapshots and self.rank == 0:
             # The memory tier is on but had no step every rank could load (a pod and the
             # holder of its replica both lost, say): the steps since this one are lost.
             log.warning(
@@ -359,10 +376,12 @@ class Checkpointer:
             )
         else:
             log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
-        self._restored = RestoreInfo(step=loaded, tier=tier, uri=root)
+        self._restored = RestoreInfo(
+            step=loaded, tier=None if tier is None else tier.value, uri=root
+        )
         self._last_saved_step = loaded
         self._last_save_time = self._clock()
-        if tier == DURABLE:
+        if tier == Tier.DURABLE:
             self._last_committed = loaded
             self._reporter.update(
                 last_committed_step=loaded, restored_step=loaded, restored_tier=Tier.DURABLE.value
@@ -503,6 +522,9 @@ class Checkpointer:
                 self._fast.close()
             if self._sigterm is not None:
                 self._sigterm.uninstall()
+            # Last: nothing of this Checkpointer runs a collective after this.
+            group, self._group = self._group, None
+            release_group(group)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -538,6 +560,7 @@ class Checkpointer:
         return self._objects.extra
 
     def _load(self, step: int, storage: Storage) -> None:
+        self._reuse.forget()  # whatever this load writes, the record is rebuilt from it
         state = self._objects.build(step)
         info = api.load(
             state,
@@ -549,12 +572,21 @@ class Checkpointer:
         note = self._objects.apply(state, info, step)
         if note is not None:
             self._resume_note = note
+        if storage is self.storage and self._fast is None:
+            flat = api.flatten(self._objects.for_save(step))
+            self._reuse.restored(_catalog.read_manifest(storage, step), flat, self._frozen())
 
     # ---- saving ---------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
         flat = api.flatten(self._objects.for_save(step))
-        return flat, self._plans.plan(flat, self.rank, self.world_size)
+        plan = self._plans.plan(flat, self.rank, self.world_size)
+        if self._fast is None:  # the memory tier snapshots whole states: no references there
+            plan = self._reuse.plan(flat, plan, step, self._frozen())
+        return flat, plan
+
+    def _frozen(self) -> set[int]:
+        return frozen_storages(self._objects.model)
 
     def _save(
         self,
@@ -578,6 +610,7 @@ class Checkpointer:
             # At most one save in flight: wait for (and raise the failure of) the previous.
             self._saver.wait_previous()
             flat, plan = prepared or self._prepare(step)
+            refs, on_manifest = self._reuse.for_save(plan)
             handle = stage_and_commit(
                 self._saver,
                 flat,
@@ -588,16 +621,20 @@ class Checkpointer:
                 on_commit=self._after_commit,
                 attempt=self._attempt,
                 extra=extra,
+                references=refs,
+                on_manifest=on_manifest,
             )
             self._resume_note = None
             log.debug("step %d staged in %.3fs", step, handle.stage_seconds)
             return None
         self._drain()
         flat, plan = prepared or self._prepare(step)
+        refs, on_manifest = self._reuse.for_save(plan)
         info = api.write_and_commit(
             self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
             process_group=self._group, timeout=self.config.timeout.total_seconds(),
-            started=start, attempt=self._attempt, extra=extra,
+            started=start, attempt=self._attempt, extra=extra, references=refs,
+            on_manifest=on_manifest,
         )  # fmt: skip
         self._resume_note = None
         self._after_commit(info, plan.nbytes)

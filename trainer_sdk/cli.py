@@ -29,7 +29,6 @@ from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.layout import (
     Manifest,
     check_header_matches,
-    file_path,
     header_length,
     new_hasher,
     parse_safetensors_header,
@@ -60,6 +59,10 @@ def _pick_step(storage: Storage, step: int | None) -> int:
     return newest
 
 
+def _refs(m: Manifest) -> list[str]:
+    return [m.path_of(k) for k, f in m.files.items() if f.step is not None]
+
+
 def cmd_ls(storage: Storage, out: TextIO) -> int:
     steps = _catalog.step_dirs(storage)
     if not steps:
@@ -67,11 +70,20 @@ def cmd_ls(storage: Storage, out: TextIO) -> int:
         return 2
     print(f"{'STEP':>12}  {'STATUS':<10} {'WORLD':>5}  {'TRIGGER':<9} {'SIZE':>10}  TIME", file=out)
     newest = None
+    rows: list[tuple[int, Manifest | CheckpointError]] = []
     for s in steps:
         try:
-            m = _catalog.read_manifest(storage, s)
+            rows.append((s, _catalog.read_manifest(storage, s)))
         except CheckpointError as e:
-            status = "invalid" if "never committed" not in str(e) else "incomplete"
+            rows.append((s, e))
+    # A directory without a manifest whose shards complete steps reference (format v3): a
+    # deleted step, kept for what later steps reuse, not a crashed save.
+    referenced = {int(p[5:17]) for _, m in rows if isinstance(m, Manifest) for p in _refs(m)}
+    for s, m in rows:
+        if isinstance(m, CheckpointError):
+            status = "invalid" if "never committed" not in str(m) else "incomplete"
+            if status == "incomplete" and s in referenced:
+                status = "reused"
             print(f"{s:>12}  {status:<10} {'-':>5}  {'-':<9} {'-':>10}  -", file=out)
             continue
         newest = s
@@ -95,11 +107,20 @@ def cmd_inspect(storage: Storage, step: int | None, out: TextIO) -> int:
     print(f"trigger     {m.trigger}", file=out)
     print(f"time        {m.time}", file=out)
     print(f"format      v{m.version} (torch {m.torch_version}, baton {m.baton_version})", file=out)
-    print(f"size        {_human(m.total_bytes)} in {len(m.files)} files", file=out)
+    own = sum(1 for f in m.files.values() if f.step is None)
+    print(f"size        {_human(m.total_bytes)} in {own} files", file=out)
+    if m.referenced_steps():
+        steps = ", ".join(map(str, sorted(m.referenced_steps())))
+        print(
+            f"reuses      {_human(m.referenced_bytes)} in {len(m.files) - own} files of "
+            f"step(s) {steps} (references: written once, not again by this step)",
+            file=out,
+        )
     print("\nfiles:", file=out)
     for name, f in m.files.items():
         algorithm, digest = f.digest
-        print(f"  {name:<36} {_human(f.size):>10}  {algorithm} {digest[:16]}…", file=out)
+        ref = "  (reused)" if f.step is not None else ""
+        print(f"  {name:<36} {_human(f.size):>10}  {algorithm} {digest[:16]}…{ref}", file=out)
     print(f"\ntensors ({len(m.tensors)}):", file=out)
     # Keys are "<top-level key>.<the object's own key>" ("model." + "model.layers.0..." for a
     # transformers model): show each top-level prefix once, as a heading, and the keys under
@@ -137,7 +158,7 @@ def _verify_step(storage: Storage, m: Manifest, err: TextIO) -> list[str]:
     progress = Progress(err)
     buf = bytearray(_CHUNK)
     for i, (name, f) in enumerate(m.files.items(), 1):
-        path = file_path(m.step, name)
+        path = m.path_of(name)  # a reference (v3) is checked in the step that holds it
         try:
             size = storage.size(path)
         except FileNotFoundError:
@@ -196,7 +217,8 @@ def cmd_verify(storage: Storage, step: int | None, out: TextIO, err: TextIO) -> 
             print(f"  {p}", file=out)
         return 1
     print(
-        f"OK step {s}: {len(m.files)} files, {_human(m.total_bytes)}, every digest matches",
+        f"OK step {s}: {len(m.files)} files, {_human(m.total_bytes + m.referenced_bytes)}, "
+        "every digest matches",
         file=out,
     )
     return 0

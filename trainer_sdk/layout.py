@@ -1,4 +1,4 @@
-"""Checkpoint format v1: names, the manifest schema, and the validation that keeps reads inside.
+"""Checkpoint format v3 (v1, v2 still read): names, the manifest schema, and read validation.
 
 Torch-free on purpose: the CLI and external tools can read and check a checkpoint without
 torch. Everything a manifest (or a shard header) says is validated here before any byte it
@@ -43,6 +43,8 @@ __all__ = [
     "MANIFEST",
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
+    "PLAIN_VERSION",
+    "REF_RE",
     "STEP_DIR_RE",
     "FileEntry",
     "Hasher",
@@ -61,15 +63,22 @@ __all__ = [
     "parse_latest",
     "parse_safetensors_header",
     "parse_step_dir",
+    "ref_key",
     "shard_name",
     "step_dir",
 ]
 
 FORMAT_NAME: Final = "baton-checkpoint"
-FORMAT_VERSION: Final = 2
-"""v2 records a shard's whole-file digest as BLAKE3 (``blake3``) instead of sha256: about a
-quarter of sha256's CPU time, so hashing no longer caps a save to fast media (tmpfs, NVMe).
-Everything else is v1's, and v1 checkpoints (sha256 for every file) are still read."""
+FORMAT_VERSION: Final = 3
+"""The newest format version, which this Baton writes and reads (with every older one); a
+newer one is an UnsupportedFormatError. v2 recorded a shard's whole-file digest as BLAKE3
+(``blake3``) instead of sha256: about a quarter of sha256's CPU time, so hashing no longer caps
+a save to fast media (tmpfs, NVMe); v1 checkpoints (sha256 for every file) are still read.
+v3 = v2 + references: a ``files`` entry may name a shard committed by an earlier step of the
+same root (``"step": S``, key ``step-SSSSSSSSSSSS/rank-…safetensors``) instead of a file of
+this step. Only manifests that reference are written as v3 (:data:`PLAIN_VERSION`)."""
+PLAIN_VERSION: Final = 2
+"""The version of a manifest without references, so that a v2 reader still reads it."""
 DIGESTS: Final = ("sha256", "blake3")
 """Whole-file digests a manifest may record, by key; each is 64 lowercase hex digits."""
 MANIFEST: Final = "manifest.json"
@@ -84,6 +93,9 @@ resharded load) can verify exactly the blocks it touches, with at most two block
 
 STEP_DIR_RE: Final = re.compile(r"step-(\d{12})")
 FILE_RE: Final = re.compile(r"rank-(\d{5})-of-(\d{5})\.(safetensors|json)")
+REF_RE: Final = re.compile(r"step-(\d{12})/(rank-(\d{5})-of-(\d{5})\.safetensors)")
+"""The ``files`` key of a referenced shard (v3): exactly an earlier step directory of the same
+root and a shard name in it; nothing else (no ``..``, nothing absolute, never a JSON file)."""
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _MAX_KEY_LEN: Final = 4096
 _MAX_DIMS: Final = 64
@@ -138,6 +150,11 @@ def file_path(step: int, name: str) -> str:
     return f"{step_dir(step)}/{check_name(name)}"
 
 
+def ref_key(step: int, name: str) -> str:
+    """The ``files`` key under which a v3 manifest references shard ``name`` of ``step``."""
+    return f"{step_dir(step)}/{check_name(name)}"
+
+
 def check_name(name: object) -> str:
     """Return ``name`` if it is a plain file name a manifest may refer to, else ManifestError.
 
@@ -185,6 +202,10 @@ class FileEntry:
     """Hex BLAKE3 of the whole file (v2 shards), computed while it was written."""
     data_start: int | None = None
     """For shards: offset of the safetensors data section (8 + header length)."""
+    step: int | None = None
+    """v3: the earlier step whose directory holds the file (a reference); None for a file of
+    the manifest's own step. The entry (size, digest, data_start) is the one that step
+    committed, so a reference is verified exactly like an own file."""
 
     def __post_init__(self) -> None:
         if self.sha256 is None and self.blake3 is None:
@@ -206,6 +227,7 @@ class FileEntry:
             sha256=f.get("sha256"),
             blake3=f.get("blake3"),
             data_start=f.get("data_start"),
+            step=f.get("step"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -216,6 +238,8 @@ class FileEntry:
             out["blake3"] = self.blake3
         if self.data_start is not None:
             out["data_start"] = self.data_start
+        if self.step is not None:
+            out["step"] = self.step
         return out
 
 
@@ -315,7 +339,8 @@ class Manifest:
     block_size: int
     files: Mapping[str, FileEntry]
     tensors: Mapping[str, TensorEntry]
-    version: int = FORMAT_VERSION
+    version: int = PLAIN_VERSION
+    """v3 (:data:`FORMAT_VERSION`) when it references earlier steps' files, else v2."""
     attempt: int = 0
     """The writer's attempt (``BATON_ATTEMPT``, or a generation derived outside Kubernetes);
     0 for manifests written before attempts were recorded. A writer whose attempt is older
@@ -325,7 +350,27 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        """Bytes of the step's own files (what its save wrote; references excluded)."""
+        return sum(f.size for f in self.files.values() if f.step is None)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the earlier steps' shards this step references (v3)."""
+        return sum(f.size for f in self.files.values() if f.step is not None)
+
+    def path_of(self, key: str) -> str:
+        """Storage key of the file that ``files[key]`` describes: a file of this step, or,
+        for a reference, the shard of the earlier step that holds it."""
+        entry = self.files[key]
+        if entry.step is None:
+            return file_path(self.step, key)
+        m = REF_RE.fullmatch(key)
+        assert m is not None  # validated by parse
+        return file_path(entry.step, m.group(2))
+
+    def referenced_steps(self) -> set[int]:
+        """The earlier steps whose files this step references."""
+        return {f.step for f in self.files.values() if f.step is not None}
 
     def to_json_bytes(self, *, indent: int | None = 1) -> bytes:
         """The manifest as written; ``indent=None`` is the compact form (the same JSON, which
@@ -413,13 +458,22 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
         raise ManifestError("'files' must be an object")
     files: dict[str, FileEntry] = {}
     for name, f in files_obj.items():
-        check_name(name)
-        m = FILE_RE.fullmatch(name)
-        assert m is not None
-        if int(m.group(2)) != world or int(m.group(1)) >= world:
-            raise ManifestError(f"file {name!r} does not belong to a world of size {world}")
         if not isinstance(f, dict):
             raise ManifestError(f"files[{name!r}] must be an object")
+        ref_step = _ref_step(name, f, version, mstep)
+        if ref_step is None:
+            check_name(name)
+            m = FILE_RE.fullmatch(name)
+            assert m is not None
+            if int(m.group(2)) != world or int(m.group(1)) >= world:
+                raise ManifestError(f"file {name!r} does not belong to a world of size {world}")
+        else:
+            m = REF_RE.fullmatch(name)
+            assert m is not None
+            m = FILE_RE.fullmatch(m.group(2))
+            assert m is not None
+            if int(m.group(1)) >= int(m.group(2)):
+                raise ManifestError(f"file {name!r}: its rank is outside its world")
         size = _int(f, "size")
         # v1 has sha256 for every file; v2 one digest per file, sha256 or blake3.
         allowed = DIGESTS if version >= 2 else ("sha256",)
@@ -441,6 +495,7 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
             sha256=digests.get("sha256"),
             blake3=digests.get("blake3"),
             data_start=data_start,
+            step=ref_step,
         )
     for r in range(world):
         if json_name(r, world) not in files:
@@ -473,6 +528,30 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
     )
 
 
+def _ref_step(name: object, f: Mapping[str, Any], version: int, mstep: int) -> int | None:
+    """The step a ``files`` entry references (v3), or None for a file of the step itself."""
+    if "step" not in f:
+        if isinstance(name, str) and REF_RE.fullmatch(name):
+            raise ManifestError(f"files[{name!r}] names another step's file but has no 'step'")
+        return None
+    if version < FORMAT_VERSION:
+        raise ManifestError(
+            f"files[{name!r}] has a 'step' (a reference), which format v{version} does not have"
+        )
+    ref = _int(f, "step", hi=10**12 - 1)
+    m = REF_RE.fullmatch(name) if isinstance(name, str) else None
+    if m is None or int(m.group(1)) != ref:
+        raise ManifestError(
+            f"files[{name!r}] references step {ref}: its key must be exactly "
+            f"'{step_dir(ref)}/rank-NNNNN-of-NNNNN.safetensors'"
+        )
+    if ref >= mstep:
+        raise ManifestError(
+            f"files[{name!r}] references step {ref}, which is not older than step {mstep}"
+        )
+    return ref
+
+
 def _parse_tensor(
     key: str, t: Any, files: Mapping[str, FileEntry], world: int, block_size: int
 ) -> TensorEntry:
@@ -499,7 +578,11 @@ def _parse_tensor(
         what = f"tensor {key!r} piece {i}"
         if not isinstance(p, dict):
             raise ManifestError(f"{what} must be an object")
-        fname = check_name(p["file"])
+        fname = p["file"]
+        if not isinstance(fname, str):
+            raise ManifestError(f"{what} has a file name that is not a string")
+        if fname not in files:
+            check_name(fname)  # a name that is not even a plain file name says so
         fentry = files.get(fname)
         if fentry is None or fentry.data_start is None:
             raise ManifestError(f"{what} names {fname!r}, which is not a shard of this step")

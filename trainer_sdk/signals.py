@@ -40,8 +40,9 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk._collectives import all_reduce_max_, start_all_reduce_max_
-from trainer_sdk.control import ControlChannel, ControlError, Request, Trigger, parse_rfc3339
+from trainer_sdk._collectives import all_reduce_max_, mark_failed, start_all_reduce_max_
+from trainer_sdk.control import ControlChannel, ControlError, Request, parse_rfc3339
+from trainer_sdk.wire import Trigger
 
 __all__ = [
     "Agreement",
@@ -141,19 +142,34 @@ class PendingAgreement:
     later.
     """
 
-    def __init__(self, *, step: int, local: LocalNotice, vec: torch.Tensor, work: Any) -> None:
+    def __init__(
+        self,
+        *,
+        step: int,
+        local: LocalNotice,
+        vec: torch.Tensor,
+        work: Any,
+        group: Any | None = None,
+    ) -> None:
         self.step = step
         """The step boundary that started it."""
         self.local = local
         """What this rank contributed (marked served once a notice in it is acted on)."""
         self._vec = vec
         self._work = work
+        self._group = group
         self._result: Agreement | None = None
 
     def wait(self, timeout: timedelta) -> Agreement:
         """Block until every rank has contributed (at most ``timeout``) and decode."""
         if self._result is None:
-            if self._work is not None and not self._work.wait(timeout):
+            try:
+                finished = self._work is None or self._work.wait(timeout)
+            except Exception:
+                mark_failed(self._group)
+                raise
+            if not finished:
+                mark_failed(self._group)
                 raise TimeoutError(f"the notice agreement started at step {self.step} timed out")
             self._result = _decode(self._vec)
         return self._result
@@ -178,7 +194,7 @@ def start_agreement(
     """
     vec = _vector(local, rank, boundary, out=buffer)
     work = start_all_reduce_max_(vec, group=group) if group is not None else None
-    return PendingAgreement(step=step, local=local, vec=vec, work=work)
+    return PendingAgreement(step=step, local=local, vec=vec, work=work, group=group)
 
 
 def agreement_buffer() -> torch.Tensor:
@@ -227,6 +243,7 @@ class SigtermListener:
         self._event = threading.Event()
         self._previous: Any = None
         self._installed = False
+        self._captured = False
 
     @property
     def received(self) -> bool:
@@ -248,6 +265,24 @@ class SigtermListener:
             )
             return False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+        self._captured = True
+        return True
+
+    def reclaim(self) -> bool:
+        """Install the handler again, on top of whatever handler is there now, which is
+        dropped (not chained): Baton owns SIGTERM, once. The handler found by the first
+        :meth:`install` stays the one chained and put back by :meth:`uninstall`. For a
+        framework that installs its own SIGTERM handler after Baton's was built: Lightning's
+        ``Trainer`` wraps the handler it finds in one that runs a collective inside the signal
+        handler, and puts the one it found back at its teardown (so the caller uninstalls
+        before the framework installs, and reclaims after). Returns False when not on the
+        main thread."""
+        if not self._captured:
+            return self.install()
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
         return True
 

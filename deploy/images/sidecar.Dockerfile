@@ -3,8 +3,8 @@
 # sidecar `baton-sidecar`. Build from the repository root:
 #   docker build -f deploy/images/sidecar.Dockerfile -t <registry>/baton-sidecar:0.1.0 .
 #
-# The sidecar imports only torch-free modules of the SDK (trainer_sdk.control, and for the
-# memory tier's replication trainer_sdk.replication and trainer_sdk.layout), so the image
+# The sidecar imports only torch-free modules of the SDK (trainer_sdk.wire, trainer_sdk.control,
+# and for the memory tier's replication trainer_sdk.replication and trainer_sdk.layout), so the image
 # installs the project without its dependencies (no torch: the image stays small and starts
 # fast), then only what the sidecar imports.
 

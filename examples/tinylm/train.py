@@ -8,9 +8,18 @@ The text is generated from a seeded toy grammar, so the example needs no downloa
 
 Run it alone (one process)::
 
-    python examples/tinylm/train.py --steps 60 --uri /tmp/ckpt --log /tmp/loss.jsonl
+    python examples/tinylm/train.py --steps 60 --uri /tmp/ckpt --loss-log /tmp/loss.jsonl
 
-or under torchrun / the operator, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+or under torchrun (two processes on this machine)::
+
+    torchrun --standalone --nproc-per-node 2 examples/tinylm/train.py \\
+        --steps 6 --every-steps 3 --uri /tmp/ckpt --loss-log /tmp/loss.jsonl
+
+or under the operator; torchrun and the operator set RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. The loss log's flag is ``--loss-log``, not ``--log``: torchrun reads every option
+on its command line, the script's too, as an abbreviation of its own, and ``--log`` matches
+``--log-dir`` and ``--logs-specs`` ("ambiguous option", exit 2;
+``tests/foundation/test_tinylm_recipe.py`` runs the recipe above as written).
 """
 
 from __future__ import annotations
@@ -176,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--uri", default=None, help="checkpoint URI (default $BATON_CHECKPOINT_URI)"
     )
-    parser.add_argument("--log", default=os.environ.get("TINYLM_LOG"), help="JSON-lines loss log")
+    parser.add_argument(
+        "--loss-log", default=os.environ.get("TINYLM_LOG"), help="JSON-lines loss log (rank 0)"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--every-steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=1234)
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     start = ckpt.restore()
     restore_seconds = time.monotonic() - t0
     attempt = os.environ.get("BATON_ATTEMPT", "0")
-    log = open(args.log, "a", encoding="utf-8") if (args.log and rank == 0) else None  # noqa: SIM115
+    log = open(args.loss_log, "a", encoding="utf-8") if (args.loss_log and rank == 0) else None  # noqa: SIM115
     if rank == 0:
         print(
             f"tinylm: world {world_size}, resuming at step {start} "

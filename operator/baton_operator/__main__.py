@@ -197,7 +197,7 @@ async def _operate(config: OperatorConfig) -> None:
 
     import kopf
 
-    from . import kube, leader, metrics
+    from . import faults, kube, leader, metrics
 
     registry, health = metrics.Metrics(), metrics.Health()
     runner = await metrics.serve(
@@ -215,6 +215,7 @@ async def _operate(config: OperatorConfig) -> None:
             timeout=config.lease_renew_deadline_seconds,
         ),
         identity=config.identity,
+        health=health,
         timings=leader.LeaseTimings(
             duration=config.lease_duration_seconds,
             renew=config.lease_renew_seconds,
@@ -235,6 +236,8 @@ async def _operate(config: OperatorConfig) -> None:
         return
     stopping.cancel()
     registry.leader.set(1)
+    # An outage that ended the previous holder's leadership: every job records it (faults.py).
+    memo["outage"] = faults.outage_after_takeover(health.last_outage, elector.previous_renew)
     stop_keeping, keeper = _keep_lease(elector)
     try:
         # kopf installs its own SIGTERM/SIGINT handlers (over the ones above) and stops on

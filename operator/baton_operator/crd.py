@@ -9,6 +9,10 @@ the fix, so that the API server refuses a bad TrainingJob with a sentence, not a
 
 The operator keeps kopf's own bookkeeping in annotations (see ``settings.py``), so the status
 schema below is complete: nothing unknown is written there, and nothing is pruned.
+
+One module over 600 lines: the schema is one object, and each field's description and CEL
+rules (the Pod Security ones for every container kind among them) stand beside the field;
+split by section, a reader would follow one field through several files.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import copy
 from typing import Any, Final
 
 from . import model, podpolicy
+from .vocabulary import Tier
 
 __all__ = [
     "GPU_RESOURCE",
@@ -55,6 +60,7 @@ _MAX_NAME: Final = 253
 _MAX_URI: Final = 2048
 _MAX_RESOURCES: Final = 64
 _MAX_QUANTITY: Final = 64
+_MAX_PORT: Final = 65535
 _MAX_PROCS: Final = 64
 """procsPerReplica's ceiling: a GPU node has 8 or 16 GPUs, one process each; more processes
 than this in one pod is a typo (1000 was once accepted and "succeeded" with one process)."""
@@ -82,12 +88,32 @@ def _str(description: str, **extra: Any) -> dict[str, Any]:
     return {"type": "string", "description": description, **extra}
 
 
+def _present(obj: str, field: str) -> str:
+    """CEL: ``obj.field`` and each object on the way there are present."""
+    parts = field.split(".")
+    return " && ".join(f"has({obj}.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+
+
+def _required(field: str, where: str, fix: str) -> dict[str, Any]:
+    # A CEL rule rather than the schema's `required`: a missing required field is an error
+    # the API server does not run CEL rules after, and it then adds a confusing line
+    # ("<nil>: Invalid value: null: some validation rules were not checked...").
+    return {
+        "rule": f"has(self.{field})",
+        "message": f"{where}.{field} is required: {fix}",
+        "fieldPath": f".{field}",
+        "reason": "FieldValueRequired",
+    }
+
+
 def _immutable_rule(field: str) -> dict[str, Any]:
     # A transition rule on the root object: it may read the old status, so the field stays
     # editable until the operator has started the job (status.phase is set), and frozen after.
+    # A field absent on either side is left to the rules that require it.
     return {
         "rule": (
             f"!has(oldSelf.status) || !has(oldSelf.status.phase) || "
+            f"!({_present('self.spec', field)}) || !({_present('oldSelf.spec', field)}) || "
             f"self.spec.{field} == oldSelf.spec.{field}"
         ),
         "message": (
@@ -97,6 +123,34 @@ def _immutable_rule(field: str) -> dict[str, Any]:
         "fieldPath": f".spec.{field}",
         "reason": "FieldValueForbidden",
     }
+
+
+def _name_rules() -> list[dict[str, Any]]:
+    # The job's name is its headless Service's name and its pods' subdomain (DNS-1035 labels)
+    # and a label value; longer derived names (pods, PodGroups) are cut with a digest
+    # (manifests.bounded_name), so the name alone decides whether every attempt can run.
+    return [
+        {
+            "rule": f"size(self.metadata.name) <= {model.MAX_JOB_NAME}",
+            "message": (
+                f"metadata.name must have at most {model.MAX_JOB_NAME} characters (it names "
+                "the job's headless Service and its pods' DNS subdomain): choose a shorter "
+                "name"
+            ),
+            "fieldPath": ".metadata.name",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"self.metadata.name.matches('{model.JOB_NAME_PATTERN}')",
+            "message": (
+                "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', "
+                "starting with a letter and ending with a letter or digit (it names the job's "
+                "headless Service): rename the TrainingJob, e.g. my-job for my.job or My_Job"
+            ),
+            "fieldPath": ".metadata.name",
+            "reason": "FieldValueInvalid",
+        },
+    ]
 
 
 def _spec_schema() -> dict[str, Any]:
@@ -140,9 +194,9 @@ def _spec_schema() -> dict[str, Any]:
         "description": (
             "The pod template for every replica (core/v1 PodTemplateSpec). It must have a "
             "container named `trainer`; the operator adds the env contract, the "
-            "`baton-sidecar` native sidecar, the control volume and owner references."
+            "`baton-sidecar` native sidecar, the control volume and owner references. "
+            "Required."
         ),
-        "required": ["spec"],
         "properties": {
             "metadata": {
                 "type": "object",
@@ -153,7 +207,6 @@ def _spec_schema() -> dict[str, Any]:
                 "type": "object",
                 "description": "The pod spec (core/v1 PodSpec).",
                 "x-kubernetes-preserve-unknown-fields": True,
-                "required": ["containers"],
                 "properties": {
                     "containers": {
                         "type": "array",
@@ -166,7 +219,11 @@ def _spec_schema() -> dict[str, Any]:
         },
         "x-kubernetes-validations": [
             {
-                "rule": "self.spec.containers.exists(c, c.name == 'trainer')",
+                # Also the rule that requires spec and containers (see _required).
+                "rule": (
+                    "has(self.spec) && has(self.spec.containers) && "
+                    "self.spec.containers.exists(c, c.name == 'trainer')"
+                ),
                 "message": (
                     "spec.template.spec.containers must include a container named `trainer` "
                     "(the operator injects the training env into it)"
@@ -178,24 +235,29 @@ def _spec_schema() -> dict[str, Any]:
     }
     checkpoint = {
         "type": "object",
-        "description": "Where and how often the SDK saves checkpoints.",
-        "required": ["uri"],
+        "description": "Where and how often the SDK saves checkpoints. Required.",
         "properties": {
             "uri": _str(
                 "Where checkpoints live: `s3://bucket/prefix`, `file:///path` or an absolute "
-                "path. Immutable once the job has started.",
+                "path. Required. Immutable once the job has started.",
                 maxLength=_MAX_URI,
             ),
             "everySteps": _int("Periodic checkpoint interval in optimizer steps (> 0)."),
             "everySeconds": {
                 "x-kubernetes-int-or-string": True,
                 "description": (
-                    "Periodic checkpoint interval in seconds (> 0), if set; or `auto`: the "
+                    "A number of seconds or the string `auto` (an int-or-string field). A "
+                    "number (> 0): the periodic checkpoint interval in seconds. `auto`: the "
                     "operator chooses it for each attempt from the measured save time and "
-                    "the job's interruption rate (docs/operator.md, Adaptive interval)."
+                    "the job's interruption rate (docs/operator.md, Adaptive interval). "
+                    "Unset: no time-based saves."
                 ),
             },
-            "keepLast": _int("How many committed checkpoints to keep.", minimum=1),
+            "keepLast": _int(
+                "How many committed checkpoints to keep (at least 1). Default: 3 (the SDK's "
+                "keep_last when the operator passes none).",
+                minimum=1,
+            ),
             "fastEverySteps": _int(
                 "The memory tier: every this many steps each rank also snapshots the whole "
                 "state into its pod's memory (a medium: Memory emptyDir), and the sidecar "
@@ -213,14 +275,21 @@ def _spec_schema() -> dict[str, Any]:
                     "with it; add 2 x the pod's share to the trainer's own memory request."
                 ),
             },
+            # No schema default: a job without the memory tier would show `fastReplicas: 1`
+            # (kubectl describe) for a tier it does not have; model.py applies the 1.
             "fastReplicas": _int(
-                "How many peer pods (on other nodes) keep a copy of each pod's snapshot: k "
-                "survives the loss of any k nodes. At most replicas - 1.",
+                "With fastEverySteps only: how many peer pods (on other nodes) keep a copy of "
+                "each pod's snapshot: k survives the loss of any k nodes. At most replicas - 1. "
+                "Default: 1 when the memory tier is on.",
                 minimum=1,
-                default=1,
             ),
         },
         "x-kubernetes-validations": [
+            _required(
+                "uri",
+                "spec.checkpoint",
+                "where checkpoints live, e.g. s3://bucket/prefix or file:///data/ckpt",
+            ),
             {
                 "rule": "!has(self.fastEverySteps) || self.fastEverySteps > 0",
                 "message": "spec.checkpoint.fastEverySteps must be greater than 0",
@@ -254,8 +323,8 @@ def _spec_schema() -> dict[str, Any]:
             },
             {
                 "rule": (
-                    "self.uri.startsWith('s3://') || self.uri.startsWith('file://') || "
-                    "self.uri.startsWith('/')"
+                    "!has(self.uri) || self.uri.startsWith('s3://') || "
+                    "self.uri.startsWith('file://') || self.uri.startsWith('/')"
                 ),
                 "message": (
                     "spec.checkpoint.uri must start with s3:// or file://, or be an absolute path"
@@ -304,10 +373,9 @@ def _spec_schema() -> dict[str, Any]:
     return {
         "type": "object",
         "description": "The desired training job.",
-        "required": ["replicas", "template", "checkpoint"],
         "properties": {
             "replicas": _int(
-                "Pods; WORLD_SIZE = replicas * procsPerReplica. Immutable once started."
+                "Pods; WORLD_SIZE = replicas * procsPerReplica. Required. Immutable once started."
             ),
             "procsPerReplica": _int(
                 "Training processes per pod (LOCAL_WORLD_SIZE), started by a launcher such as "
@@ -327,9 +395,15 @@ def _spec_schema() -> dict[str, Any]:
                 minimum=0,
                 default=60,
             ),
-            "masterPort": _int(
-                "The rendezvous port (MASTER_PORT) on rank 0's pod.", minimum=1, default=29500
-            ),
+            "masterPort": {
+                **_int(
+                    "The rendezvous port (MASTER_PORT) on rank 0's pod and the job's headless "
+                    "Service: 1 to 65535.",
+                    minimum=1,
+                    default=29500,
+                ),
+                "maximum": _MAX_PORT,
+            },
             "template": template,
             "checkpoint": checkpoint,
             "failurePolicy": failure_policy,
@@ -362,8 +436,11 @@ def _spec_schema() -> dict[str, Any]:
             },
         },
         "x-kubernetes-validations": [
+            _required("replicas", "spec", "the number of pods, e.g. replicas: 2"),
+            _required("template", "spec", "the pod template, with a container named `trainer`"),
+            _required("checkpoint", "spec", "at least its uri, e.g. s3://bucket/prefix"),
             {
-                "rule": "self.replicas >= 1",
+                "rule": "!has(self.replicas) || self.replicas >= 1",
                 "message": "spec.replicas must be at least 1",
                 "fieldPath": ".replicas",
                 "reason": "FieldValueInvalid",
@@ -381,7 +458,9 @@ def _spec_schema() -> dict[str, Any]:
                 # One process per GPU: more would put two ranks on one device (NCCL refuses
                 # that). 0 GPUs means a CPU job. [x].all(g, ...) binds the parsed quantity.
                 "rule": (
-                    "!has(self.procsPerReplica) || self.template.spec.containers.all(c, "
+                    "!has(self.procsPerReplica) || !has(self.template) || "
+                    "!has(self.template.spec) || !has(self.template.spec.containers) || "
+                    "self.template.spec.containers.all(c, "
                     "c.name != 'trainer' || !has(c.resources) || !has(c.resources.limits) || "
                     f"!({_GPU_Q} in c.resources.limits) || "
                     f"[int(string(c.resources.limits[{_GPU_Q}]))].all(g, "
@@ -397,6 +476,7 @@ def _spec_schema() -> dict[str, Any]:
             },
             {
                 "rule": (
+                    "!has(self.replicas) || !has(self.checkpoint) || "
                     "!has(self.checkpoint.fastEverySteps) || !has(self.checkpoint.fastReplicas) "
                     "|| self.replicas <= 1 || self.checkpoint.fastReplicas < self.replicas"
                 ),
@@ -409,7 +489,7 @@ def _spec_schema() -> dict[str, Any]:
             },
             {
                 "rule": "!has(self.minReplicas) || (self.minReplicas >= 1 && "
-                "self.minReplicas <= self.replicas)",
+                "(!has(self.replicas) || self.minReplicas <= self.replicas))",
                 "message": "spec.minReplicas must be between 1 and spec.replicas",
                 "fieldPath": ".minReplicas",
                 "reason": "FieldValueInvalid",
@@ -467,7 +547,7 @@ def _status_schema() -> dict[str, Any]:
             "seconds": {"type": "number", "description": "Save time reported by the SDK."},
             "tier": {
                 "type": "string",
-                "enum": ["durable", "memory", "memory+promoted"],
+                "enum": [t.value for t in Tier],
                 "description": (
                     "Where it committed: durable (the checkpoint uri), memory (a notice's "
                     "snapshot in the pods' memory tier, replicated to peers) or memory+promoted "
@@ -608,6 +688,11 @@ def _status_schema() -> dict[str, Any]:
         "properties": {
             "phase": _str("Where the job is in its lifecycle.", enum=list(PHASES)),
             "message": _str("The latest thing that happened, for a human."),
+            "reason": _str(
+                "The CamelCase reason of the condition the operator last set true (e.g. "
+                "Running, Checkpointing, PodTemplateRefused, BudgetExhausted): why the job is "
+                "in its phase."
+            ),
             "attempt": _int("Incremented on every restart; pods carry it in their names."),
             "worldSize": _int("WORLD_SIZE of the current attempt."),
             "replicas": _int("Pods in the current attempt (fewer than spec after a shrink)."),
@@ -699,9 +784,28 @@ _COLUMNS: Final = [
         "jsonPath": ".status.lastCheckpoint.step",
         "description": "The last committed checkpoint step",
     },
+    {
+        "name": "Step",
+        "type": "integer",
+        "jsonPath": ".status.goodput.step",
+        "description": "The last training step the ranks reported",
+    },
     {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions"},
     {"name": "Failures", "type": "integer", "jsonPath": ".status.failures"},
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": ".status.reason",
+        "description": "Why the job is in its phase",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "Message",
+        "type": "string",
+        "jsonPath": ".status.message",
+        "priority": 1,
+        "description": "The latest thing that happened",
+    },
 ]
 
 
@@ -720,11 +824,14 @@ def crd_manifest() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # Only name may be declared here (the API server owns metadata); declared so that
+            # the name rules' fieldPath is a path of the schema.
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": spec,
             "status": _status_schema(),
         },
         "x-kubernetes-validations": [
+            *_name_rules(),
             _immutable_rule("replicas"),
             _immutable_rule("procsPerReplica"),
             _immutable_rule("checkpoint.uri"),

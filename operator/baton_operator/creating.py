@@ -1,4 +1,5 @@
-"""Creating a job's objects: its token Secret, its Service and each attempt's pods.
+"""Creating a job's objects: its token Secret, its Service and each attempt's pods (and
+deleting a Failed job's Service, which nothing uses any more).
 
 Where the API server serves ``scheduling.k8s.io/v1beta1`` PodGroups (looked up once, then
 cached), each attempt also gets a PodGroup, and all its pods are created in one pass, linked to
@@ -152,6 +153,15 @@ class Creator:
                 _log.warning("PodGroup %s/%s not deleted: %s", t.spec.namespace, name, e)
                 continue
             self._dropped.add(key)
+
+    async def drop_service(self, t: Tick) -> None:
+        """Delete a Failed job's headless Service: it gives the ranks their DNS names, and no
+        rank of a Failed job runs again (its pods are deleted), so it goes now rather than
+        when the job is deleted. Only the Service the job owns; an error is raised (the tick
+        is retried), as for the pods."""
+        spec = t.spec
+        if await self._kube.delete_owned_service(spec.namespace, spec.name, spec.uid):
+            _log.info("deleted the Service %s/%s of the failed job", spec.namespace, spec.name)
 
     async def ensure_pods(self, t: Tick, status: JobStatus, *, replicas: int) -> None:
         """Create the attempt's missing pods.

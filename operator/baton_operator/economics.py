@@ -26,13 +26,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from .crd import GPU_RESOURCE, HISTORY_LIMIT
 from .jobstatus import iso
 from .notices import parse_time
 from .reports import SidecarStatus
+from .vocabulary import InterruptionSource, SaveState
 
 __all__ = [
     "EAGER_SECONDS",
@@ -76,6 +77,30 @@ class Cause:
     """When every rank's save for the notice was seen committed (None: it was not)."""
 
 
+def eviction_cause(
+    nodes: Sequence[str], reports: Iterable[SidecarStatus], step: int | None
+) -> Cause:
+    """The cause of an attempt whose ranks saved ``step`` on their own (a SIGTERM, or a notice
+    a sidecar saw) without the operator serving a notice: its notice time and durability are
+    the ranks' own, from a report of that save committed (its heartbeat at the commit, less
+    the save's seconds, which the SDK counts from the notice); None without such a report."""
+    saved = next(
+        (
+            r for r in reports
+            if step is not None and r.state == SaveState.COMMITTED and r.step == step
+            and r.heartbeat is not None and r.seconds is not None
+        ),
+        None,
+    )  # fmt: skip
+    if saved is None or saved.heartbeat is None or saved.seconds is None:
+        return Cause(source=InterruptionSource.EVICTION, nodes=tuple(nodes))
+    return Cause(
+        source=InterruptionSource.EVICTION, nodes=tuple(nodes),
+        notice_at=saved.heartbeat - timedelta(seconds=saved.seconds),
+        durable_at=saved.heartbeat,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class Progress:
     """How far an attempt's ranks got, from their sidecars' last reports."""
@@ -89,19 +114,29 @@ class Progress:
 
 
 def progress(reports: Iterable[SidecarStatus]) -> Progress:
-    """The newest training step the reports show, when, and the step time they measured."""
-    latest: SidecarStatus | None = None
+    """The newest training step the reports show, when, and the step time they measured.
+
+    A rank's step is its ``train_step`` or, when newer, the step of the save it reports
+    committed: the SDK writes ``train_step`` at most every few seconds, but a save of step S
+    comes after step S (a rank that stopped after its notice save reports the save's step, not
+    an older beat). ``last_committed_step`` alone does not count: a new attempt reports the step
+    it restored there before it trains one (its first step starts the restart clock).
+    """
+    latest: tuple[int, SidecarStatus] | None = None
     times: list[float] = []
     for r in reports:
         if r.step_seconds is not None and r.step_seconds > 0:
             times.append(r.step_seconds)
-        if r.train_step is None:
+        saved = r.step if r.state == SaveState.COMMITTED else None
+        known = [s for s in (r.train_step, saved) if s is not None]
+        if not known:
             continue
-        if latest is None or latest.train_step is None or r.train_step > latest.train_step:
-            latest = r
+        step = max(known)
+        if latest is None or step > latest[0]:
+            latest = (step, r)
     return Progress(
-        step=None if latest is None else latest.train_step,
-        at=None if latest is None else latest.heartbeat,
+        step=None if latest is None else latest[0],
+        at=None if latest is None else latest[1].heartbeat,
         step_seconds=statistics.median(times) if times else None,
     )
 

@@ -5,8 +5,10 @@ operator's own classes so that the client layer (``kube``, ``sidecars``) can say
 failure is and the controller never parses an HTTP status itself:
 
 - :class:`PermanentError`: sending the same thing again can never succeed (the API server
-  found the object invalid, or an admission policy forbids it). The job ends ``Failed`` with a
-  condition that names the field and the fix.
+  found the object invalid, or an admission policy forbids it). A refused pod or Service ends
+  the job ``Failed`` with a condition that names the field and the fix (``creating``); any
+  other refused write (a status value the installed CRD does not allow) is reported the same
+  way and the job's daemon stops instead of resending it (``faults.rejected``).
 - :class:`TemporaryError`: someone or something can fix it (RBAC, a quota, an outage, a
   sidecar that is not up yet, a write that lost a race). Retried after ``delay`` (None: the
   caller's own backoff).

@@ -10,6 +10,14 @@ cause and the fix; when calls work again it clears the condition and posts ``API
 with how long the fault lasted. Both reports are best effort: with RBAC removed nothing can be
 written, so the recovery report is what leaves the trace in status and Events.
 
+A permanent refusal (:class:`errors.KubeRejectedError`: the API server found the write
+invalid, typically a status value the installed CRD's schema does not allow) is not retried:
+sending the same write again can never succeed, and every retry is one more refused request.
+:func:`rejected` sets ``Degraded`` (reason ``APIRejected``) and posts one Event, both naming
+the fields the API server named, and the job's daemon stops; the next operator start (after
+the CRD or the operator is fixed) drives the job again, and its first tick that works clears
+the condition (:func:`clear_rejection`).
+
 The reaction per HTTP status (docs/operator.md, "Faults"):
 
 ======  ==================  ===============================================================
@@ -18,7 +26,8 @@ code    reason              meaning and fix
 403     APIForbidden        the operator's RBAC lacks the verb: re-apply it
 409     APIConflict         another writer won a race (kube.py retries conflicts first)
 410     APIGone             a resourceVersion expired: the next tick reads afresh
-422     APIRejected         the API server found an object invalid
+422     APIRejected         the API server found an object invalid: reported at once, the
+                            daemon stops (no retry can succeed)
 5xx     APIUnavailable      the API server (or etcd) failed
 0       APITimeout          no answer: a timeout or a refused connection
 ======  ==================  ===============================================================
@@ -31,21 +40,33 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import KubeError
+from .errors import KubeError, KubeRejectedError
 from .kube import Kube
 from .metrics import Health, Metrics
 
-__all__ = ["JobFaults", "instrument", "reaction"]
+__all__ = [
+    "JobFaults",
+    "Outage",
+    "clear_rejection",
+    "instrument",
+    "outage_after_takeover",
+    "reaction",
+    "record_outage",
+    "rejected",
+]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _MAX_BACKOFF_SECONDS: Final = 30.0
+_ALWAYS_RECORDED: Final = frozenset({"APIForbidden", "APIUnauthorized"})
+"""Reasons recorded on recovery even after one failed tick: an RBAC loss shorter than the
+backoff must still leave a trace in status and Events, not only in the log."""
 _REACTIONS: Final[Mapping[int, tuple[str, str]]] = {
     401: ("APIUnauthorized", "the operator's credentials were refused: check its "
           "ServiceAccount token"),
@@ -58,6 +79,16 @@ _REACTIONS: Final[Mapping[int, tuple[str, str]]] = {
 }  # fmt: skip
 _UNAVAILABLE: Final = ("APIUnavailable", "the API server failed; retrying with backoff")
 _OTHER: Final = ("APIError", "retrying with backoff")
+
+_REJECTED: Final = "APIRejected"
+_REJECTED_FIX: Final = (
+    "the operator stopped driving this job: install the CRD of the operator's version (helm "
+    "upgrade, or kubectl apply -f deploy/crd.yaml), then restart the operator; if they already "
+    "match, report this message as an operator bug"
+)
+_MAX_QUOTED: Final = 1024
+"""Characters of the API server's answer quoted in a condition or an Event (a refusal of a
+large object can list every invalid field)."""
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 
@@ -80,7 +111,7 @@ def _counted(
             result = await call(*args, **kwargs)
         except KubeError as e:
             metrics.api_errors.labels(verb, str(e.status)).inc()
-            health.failed(str(e))
+            health.failed(str(e), status=e.status)
             raise
         except (OSError, Urllib3Error) as e:
             # Only the exception's type: its text may carry a URL, never a header, but stay safe.
@@ -146,7 +177,7 @@ class JobFaults:
 
     async def succeeded(self, kube: Kube, post: EventPoster, namespace: str, name: str) -> None:
         """A tick worked: if a fault was seen persisting, say it is over and for how long."""
-        if self.failures < 2:
+        if self.failures == 0 or (self.failures < 2 and self.reason not in _ALWAYS_RECORDED):
             self.failures, self.since = 0, None
             return
         lasted = (datetime.now(tz=UTC) - (self.since or datetime.now(tz=UTC))).total_seconds()
@@ -159,6 +190,123 @@ class JobFaults:
             degraded=False, reason="APIRecovered", message=message, kind="Normal",
         ):  # fmt: skip
             self.failures, self.since, self.reported = 0, None, ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outage:
+    """An API outage that ended a leadership: what a new leader records on every job."""
+
+    began: datetime
+    seconds: float
+    last_error: str
+
+    def message(self) -> str:
+        return (
+            f"Kubernetes API calls failed for {self.seconds:.0f}s from {_iso(self.began)} "
+            f"(last error: {self.last_error}); the operator that leads now took its Lease "
+            "after the outage and works again"
+        )
+
+
+def outage_after_takeover(
+    seen: tuple[datetime, float, str] | None, previous_renew: datetime | None
+) -> Outage | None:
+    """The outage a replica that just took the Lease must record on the jobs, or None.
+
+    ``seen``: the last run of failed calls this replica saw end (``Health.last_outage``);
+    ``previous_renew``: when the Lease's previous holder last renewed it (``LeaderElector``;
+    this identity's own predecessor after a restart). The holder's leadership ended in the
+    outage when the outage ended after that renewal; it began no later than the renewal's
+    successor was due, so the record starts at the earlier of the two: the start survives a
+    restart of the replica that saw it begin. A Lease taken free or released (a clean
+    handover) or a holder that stopped without an outage (``kill -9``) gives None.
+    """
+    if seen is None or previous_renew is None:
+        return None
+    began, lasted, error = seen
+    ended = began + timedelta(seconds=lasted)
+    if ended < previous_renew:
+        return None  # an older outage, before the previous holder's last renewal
+    start = min(began, previous_renew)
+    return Outage(began=start, seconds=(ended - start).total_seconds(), last_error=error)
+
+
+async def record_outage(
+    kube: Kube, post: EventPoster, namespace: str, name: str, outage: Outage
+) -> bool:
+    """Write ``outage`` on the job (condition ``Degraded`` False, reason ``APIRecovered``)
+    and post one ``APIRecovered`` Event, unless the job already carries it, finished before
+    it, or was created after it. Best effort, as every fault report: True once done."""
+    try:
+        job = await kube.get_job(namespace, name)
+    except KubeError as e:
+        _log.warning("%s/%s: could not record the API outage: %s", namespace, name, e)
+        return False
+    if job is None:
+        return True
+    status = job.get("status") or {}
+    created = str((job.get("metadata") or {}).get("creationTimestamp") or "")
+    ended = outage.began + timedelta(seconds=outage.seconds)
+    if status.get("phase") in ("Succeeded", "Failed") or (created and created > _iso(ended)):
+        return True
+    mark = f"from {_iso(outage.began)}"
+    if any(
+        c.get("type") == "Degraded" and mark in str(c.get("message") or "")
+        for c in status.get("conditions") or []
+    ):
+        return True  # recorded already (by this operator before it restarted, or another)
+    return await _report(
+        kube, post, namespace, name,
+        degraded=False, reason="APIRecovered", message=outage.message(), kind="Normal",
+    )  # fmt: skip
+
+
+async def rejected(
+    kube: Kube, post: EventPoster, namespace: str, name: str, error: KubeRejectedError
+) -> bool:
+    """Report a write the API server refused for good: ``Degraded`` True (``APIRejected``)
+    and one Warning Event, naming the refused fields and the fix. The caller stops retrying.
+    Best effort (the report writes only ``conditions``, which the refusal did not concern
+    unless it names them): True once written."""
+    fields = ", ".join(error.fields) or "none named by the API server"
+    quoted = str(error)
+    if len(quoted) > _MAX_QUOTED:
+        quoted = quoted[:_MAX_QUOTED] + "..."
+    message = (
+        f"the API server refused the operator's write (field {fields}): {quoted}; {_REJECTED_FIX}"
+    )
+    _log.error("%s/%s: %s", namespace, name, message)
+    return await _report(
+        kube, post, namespace, name,
+        degraded=True, reason=_REJECTED, message=message, kind="Warning",
+    )  # fmt: skip
+
+
+async def clear_rejection(
+    kube: Kube, post: EventPoster, namespace: str, name: str, job: Mapping[str, Any] | None
+) -> bool:
+    """After a daemon's first tick that worked: clear the ``APIRejected`` report a stopped
+    daemon left on ``job`` (the job as that tick read it; None: unknown, nothing is done).
+    Costs no API call unless the report is there. True when there is nothing (left) to do."""
+    conditions = ((job or {}).get("status") or {}).get("conditions") or []
+    left = next(
+        (
+            c for c in conditions
+            if c.get("type") == "Degraded" and c.get("status") == "True"
+            and c.get("reason") == _REJECTED
+        ),
+        None,
+    )  # fmt: skip
+    if left is None:
+        return True
+    message = (
+        "the operator's writes to this job work again; it drives the job again (it had "
+        f"stopped: {left.get('message') or 'a write was refused'})"
+    )
+    return await _report(
+        kube, post, namespace, name,
+        degraded=False, reason="APIRecovered", message=message, kind="Normal",
+    )  # fmt: skip
 
 
 async def _report(

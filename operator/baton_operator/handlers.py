@@ -2,7 +2,9 @@
 
 - One daemon per TrainingJob runs ``Reconciler.tick`` about once a second, until the job
   is Succeeded, Failed or deleted. kopf restarts the daemons when the operator restarts, and
-  the tick carries on from the job's status (the controller's docstring says how).
+  the tick carries on from the job's status (the controller's docstring says how). A write
+  the API server refuses for good (``KubeRejectedError``) is never sent again: the daemon
+  reports it (``faults.rejected``) and stops, until the next operator start.
 - The TrainingJob and Pod watches (Baton's pods only) feed :class:`WatchCache`, which the
   ticks read instead of a GET and a LIST per tick (watchcache.py says when they still read
   through the API).
@@ -28,7 +30,7 @@ from . import kube as kube_mod
 from . import metrics as metrics_mod
 from . import nodes as nodes_mod
 from .controller import ClusterView, JobMemory, Reconciler
-from .errors import BatonOperatorError, KubeError
+from .errors import BatonOperatorError, KubeError, KubeRejectedError
 from .settings import KEY_SECRET_NAME, OperatorConfig
 from .sidecars import SidecarClient
 from .watchcache import WatchCache
@@ -185,6 +187,12 @@ async def _job_daemon(
     memory = JobMemory()
     api = faults.JobFaults()
     kube: kube_mod.Kube = memo["kube"]
+    outage: faults.Outage | None = memo.get("outage")
+    cache: WatchCache | None = memo.get("cache")
+    cleared = False
+    if outage is not None:
+        # This operator took the Lease after an API outage: the job's record of it.
+        await faults.record_outage(kube, memo["post"], namespace, name, outage)
     try:
         while not stopped:
             # Cleared before the tick, not after: an event that arrives while the tick runs
@@ -192,6 +200,11 @@ async def _job_daemon(
             wake.clear()
             try:
                 delay = await reconciler.tick(namespace, name, memory)
+            except KubeRejectedError as e:
+                # Permanent: the same write can never succeed, so it is not sent again. Say
+                # which field was refused and stop; the next operator start tries again.
+                await faults.rejected(kube, memo["post"], namespace, name, e)
+                return
             except KubeError as e:
                 # The API server refused or did not answer: back off, and once the fault
                 # persists say so in the job's status and Events (faults.py).
@@ -208,6 +221,11 @@ async def _job_daemon(
                 delay = config.tick_seconds * 5
             else:
                 await api.succeeded(kube, memo["post"], namespace, name)
+                if not cleared and cache is not None:
+                    # The tick's read is in the cache: a refusal a stopped daemon reported
+                    # is cleared without another read.
+                    job = cache.job(namespace, name)
+                    cleared = await faults.clear_rejection(kube, memo["post"], namespace, name, job)
             if delay is None:
                 return
             with contextlib.suppress(TimeoutError):
@@ -239,7 +257,7 @@ async def _node_event(
     cluster: ClusterView = memo["cluster"]
     name = str(body.get("metadata", {}).get("name", ""))
     if event.get("type") == "DELETED":
-        cluster.remove_node(name)
+        cluster.remove_node(name, now=datetime.now(tz=UTC))
         changed = True
     else:
         was_ready = cluster.node_ready(name)
@@ -281,7 +299,7 @@ async def _sweep_nodes(memo: kopf.Memo) -> None:
     except KubeError as e:
         _log.warning("could not list nodes after the API outage: %s", e)
         return
-    for name in cluster.sweep(present):
+    for name in cluster.sweep(present, now=datetime.now(tz=UTC)):
         _log.warning("%s", nodes_mod.UNSEEN_DELETION.format(node=name, when="after an API outage"))
         _wake_jobs_on(memo, name)
 

@@ -13,13 +13,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from .lifecycle import Phase, check_transition
 from .model import LastCheckpoint
 from .notices import parse_time
 
-__all__ = ["JobStatus", "NoticeRecord", "StatusPatch", "iso", "set_condition"]
+__all__ = ["NO_NOTICE_REASON", "JobStatus", "NoticeRecord", "StatusPatch", "iso", "set_condition"]
+
+NO_NOTICE_REASON: Final = (
+    "checkpoint before the job moves: it is Checkpointing with no notice recorded in its status"
+)
+"""A checkpoint request's reason when ``status.notice`` records neither source nor reason
+(or is empty: a status edited by hand or written by an older operator); the SDK logs the
+reason of the control request it serves."""
 
 
 def iso(t: datetime) -> str:
@@ -62,8 +69,9 @@ class NoticeRecord:
         )
 
     def describe(self) -> str:
-        """``source: reason``, as a checkpoint request's reason."""
-        return f"{self.source}: {self.reason}"
+        """``source: reason``, as a checkpoint request's reason (the trainer logs it): the
+        parts recorded, or :data:`NO_NOTICE_REASON` when neither is."""
+        return ": ".join(part for part in (self.source, self.reason) if part) or NO_NOTICE_REASON
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +197,10 @@ class StatusPatch:
         return self
 
     def condition(self, ctype: str, value: bool, reason: str, message: str) -> StatusPatch:
-        """Set one condition (on top of those already set in this patch)."""
+        """Set one condition (on top of those already set in this patch); a true one's reason
+        becomes ``status.reason``, the job's REASON column."""
+        if value:
+            self._fields["reason"] = reason
         base = self._status.conditions if self._conditions is None else self._conditions
         self._conditions = set_condition(
             base, ctype, value, reason, message, now=self._now, generation=self._generation

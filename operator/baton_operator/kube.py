@@ -28,7 +28,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from . import crd
 from .errors import KubeError
 
-__all__ = ["PERMISSIONS", "Kube", "Permission", "load_client", "load_configuration"]
+__all__ = ["PERMISSIONS", "Kube", "Permission", "describe", "load_client", "load_configuration"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -110,10 +110,33 @@ def _translate(e: ApiException, what: str) -> KubeError:
     body = _status_body(e)
     reason = str(body.get("message") or e.reason or "")
     causes = (body.get("details") or {}).get("causes") or []
-    fields = tuple(str(c["field"]) for c in causes if isinstance(c, dict) and c.get("field"))
+    # "<nil>": a cause of no field (a CRD's "some validation rules were not checked" note).
+    fields = tuple(
+        str(c["field"])
+        for c in causes
+        if isinstance(c, dict) and c.get("field") and c.get("field") != "<nil>"
+    )
     return KubeError.from_answer(
         f"{what}: HTTP {e.status}: {reason}", status=int(e.status or 0), fields=fields
     )
+
+
+def describe(e: BaseException) -> str:
+    """An error from an API call, in words fit for a log: the HTTP status and the API server's
+    reason and message (an RBAC refusal names the verb, the resource and the ServiceAccount).
+
+    Understands this layer's :class:`KubeError` and the Kubernetes client's ``ApiException``.
+    Never the headers or the request, which can carry the bearer token; any other error is
+    named by its type only (its text may carry a URL).
+    """
+    if isinstance(e, KubeError):
+        return str(e)
+    if isinstance(e, ApiException):
+        body = _status_body(e)
+        reason = body.get("reason") or e.reason or ""
+        message = body.get("message") or ""
+        return f"HTTP {e.status}: {reason}: {message}".rstrip(": ")
+    return type(e).__name__
 
 
 def _is_already_exists(e: ApiException) -> bool:
@@ -273,6 +296,39 @@ class Kube:
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create a Service; return False when it already existed."""
         return await self._create("services", namespace, body, "service")
+
+    @_needs("", "services", "get", "delete")
+    async def delete_owned_service(self, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the Service ``name`` if the object with uid ``owner_uid`` owns it; return
+        whether one was deleted.
+
+        A Service that is gone (or was never created) is fine, and one that is not owned (a
+        user's Service of the same name, which :meth:`create_service` took for the job's own)
+        is left alone. The delete is conditional on the uid just read, so a Service created
+        again in between is not deleted either.
+        """
+        what = f"service {namespace}/{name}"
+        try:
+            resp = await self._run(
+                self._core.read_namespaced_service, name, namespace, _preload_content=False
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise _translate(e, f"reading {what}") from e
+        meta = json.loads(resp.data).get("metadata") or {}
+        if not any(o.get("uid") == owner_uid for o in meta.get("ownerReferences") or []):
+            return False
+        try:
+            await self._run(
+                self._core.delete_namespaced_service, name, namespace,
+                body={"preconditions": {"uid": meta.get("uid")}},
+            )  # fmt: skip
+        except ApiException as e:
+            if e.status in (404, 409):  # gone, or another object of that name now
+                return False
+            raise _translate(e, f"deleting {what}") from e
+        return True
 
     @_needs("scheduling.k8s.io", "podgroups", "create")
     async def create_pod_group(self, namespace: str, body: dict[str, Any]) -> bool:

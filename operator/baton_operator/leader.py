@@ -40,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
@@ -77,6 +77,15 @@ class LeadershipLostError(BatonOperatorError):
 def _micro_time(t: datetime) -> str:
     # MicroTime: RFC 3339 with microseconds, as the API server writes it.
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_micro_time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 class LeaseClient:
@@ -152,6 +161,15 @@ class LeaseClient:
         )
 
 
+class CallHealth(Protocol):
+    """What the elector tells about its Lease calls (``metrics.Health``: a standby that
+    cannot reach the API server says so on ``/healthz`` too, and remembers the outage)."""
+
+    def ok(self) -> None: ...
+
+    def failed(self, error: str, *, status: int | None = None) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class LeaseTimings:
     """The three numbers of the election (their reasons are in settings.py)."""
@@ -172,6 +190,7 @@ class LeaderElector:
         identity: str,
         timings: LeaseTimings,
         clock: Callable[[], float] = time.monotonic,
+        health: CallHealth | None = None,
     ) -> None:
         if not identity:
             raise ValueError("a leader-election identity is needed: pass --identity")
@@ -186,6 +205,11 @@ class LeaderElector:
         """The Lease as our last write left it, while we lead: a renewal replaces it guarded by
         its resourceVersion without reading it first (one round trip, not two)."""
         self.leading = False
+        self._health = health
+        self.previous_renew: datetime | None = None
+        """When the holder this identity took the Lease from (its own predecessor too, after
+        a restart) last renewed it; None when the Lease was free or released. The start of
+        an outage that ended that holder's leadership survives here."""
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt; True when this identity holds the Lease afterwards."""
@@ -224,6 +248,7 @@ class LeaderElector:
             if self._clock() - self._observed[1] < duration:
                 self.leading = False
                 return False
+        renewed = _parse_micro_time(old.get("renewTime")) if holder else None
         transitions = int(old.get("leaseTransitions") or 0)
         if holder == self.identity:
             spec["acquireTime"] = old.get("acquireTime") or spec["acquireTime"]
@@ -232,6 +257,8 @@ class LeaderElector:
             spec["leaseTransitions"] = transitions + 1
         self._written = await self._client.update(lease, spec)
         self.leading = self._written is not None
+        if self.leading:
+            self.previous_renew = renewed
         return self.leading
 
     async def acquire(self) -> None:
@@ -239,7 +266,10 @@ class LeaderElector:
         said = False
         while True:
             try:
-                if await self.try_acquire_or_renew():
+                acquired = await self.try_acquire_or_renew()
+                if self._health is not None:
+                    self._health.ok()
+                if acquired:
                     _log.info(
                         "leader election: %s holds Lease %s/%s; this operator is active",
                         self.identity, self._client.namespace, self._client.name,
@@ -247,6 +277,8 @@ class LeaderElector:
                     return
             except KubeError as e:
                 _log.warning("leader election: %s; retrying", e)
+                if self._health is not None:
+                    self._health.failed(str(e), status=e.status)
             if not said:
                 _log.info(
                     "leader election: Lease %s/%s is held by another operator; standing by",

@@ -32,7 +32,7 @@ from typing import Final
 from .model import JobSpec
 from .reports import SidecarStatus
 from .settings import EMERGENCY_EXIT_CODE
-from .vocabulary import SaveState
+from .vocabulary import InterruptionSource, RestartKind, SaveState
 
 __all__ = [
     "ALLOWED",
@@ -53,6 +53,7 @@ __all__ = [
     "clamp_deadline",
     "classify",
     "elastic_replicas",
+    "every_rank",
     "moves_at_once",
     "plan_notice_recovery",
     "plan_recovery",
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 
-SUSPEND_SOURCE: Final = "suspend"
+SUSPEND_SOURCE: Final = InterruptionSource.SUSPEND
 """``status.notice.source`` of the save the operator asks for because ``spec.suspend`` is
 true (a suspend is served like a notice, without a node going away)."""
 
@@ -94,7 +95,7 @@ ALLOWED: Final[Mapping[Phase, frozenset[Phase]]] = {
         {Phase.CHECKPOINTING, Phase.RESTARTING, Phase.SUCCEEDED, Phase.FAILED}
     ),
     # Running again: a notice whose save committed to the memory tier is answered by a
-    # recovery that keeps the pods off the noticed node (controller._begin_notice_recovery).
+    # recovery that keeps the pods off the noticed node (noticing.NoticePath).
     Phase.CHECKPOINTING: frozenset(
         {Phase.RUNNING, Phase.RESTARTING, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED}
     ),
@@ -170,6 +171,14 @@ class RankView:
     stop after a checkpoint."""
 
 
+def every_rank(pods: int, procs_per_replica: int) -> str:
+    """The "all N ranks" of a message, counting ranks as torchrun does (pods x processes per
+    pod) and naming the pods when they are not the same number ("all 4 ranks (2 pods)")."""
+    if procs_per_replica <= 1:
+        return f"all {pods} ranks"
+    return f"all {pods * procs_per_replica} ranks ({pods} pods)"
+
+
 def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
     """The attempt's outcome and a sentence for the on-call engineer.
 
@@ -209,14 +218,14 @@ def classify(ranks: Sequence[RankView], replicas: int) -> tuple[Outcome, str]:
             )
         return Outcome.PENDING, "waiting for the ranks to stop after an emergency save"
     if len(ordered) == replicas and all(r.exit_code == 0 for r in ordered):
-        return Outcome.SUCCEEDED, f"all {replicas} ranks finished training"
+        return Outcome.SUCCEEDED, f"all {replicas} pods finished training"
     stuck = [r.rank for r in ordered if r.unschedulable]
     if stuck:
         return Outcome.UNSCHEDULABLE, (
             f"rank(s) {', '.join(map(str, stuck))} cannot be scheduled on any node"
         )
     if len(ordered) == replicas and all(r.running or r.exit_code == 0 for r in ordered):
-        return Outcome.RUNNING, f"all {replicas} ranks are running"
+        return Outcome.RUNNING, f"all {replicas} pods are running"
     return Outcome.PENDING, "waiting for pods to start"
 
 
@@ -351,7 +360,7 @@ class RestartPlan:
 def plan_restart(
     spec: JobSpec,
     *,
-    kind: str,
+    kind: RestartKind,
     attempt: int,
     preemptions: int,
     failures: int,
@@ -366,12 +375,12 @@ def plan_restart(
     (grow back) unless ``replicas`` is given (an elastic shrink). A suspend counts against no
     budget and ends in ``Suspended``: its next attempt starts when ``spec.suspend`` is false.
     """
-    if kind not in ("preemption", "failure", "elastic", "suspend"):
+    if kind not in tuple(RestartKind):
         raise ValueError(
             f"unknown restart kind {kind!r}: use preemption, failure, elastic or suspend"
         )
     resume = "from scratch" if resume_step is None else f"from step {resume_step}"
-    if kind == "suspend":
+    if kind == RestartKind.SUSPEND:
         return RestartPlan(
             phase=Phase.SUSPENDED,
             attempt=attempt + 1,
@@ -384,9 +393,9 @@ def plan_restart(
             message=f"suspended ({detail}); unsuspending resumes {resume}",
             exhausted=False,
         )
-    if kind == "preemption":
+    if kind == RestartKind.PREEMPTION:
         preemptions += 1
-    elif kind == "failure":
+    elif kind == RestartKind.FAILURE:
         failures += 1
     if failures > spec.max_failures:
         return RestartPlan(
@@ -424,7 +433,7 @@ def plan_restart(
         )
     delay = (
         backoff_seconds(failures, base=spec.backoff_seconds, ceiling=spec.max_backoff_seconds)
-        if kind == "failure"
+        if kind == RestartKind.FAILURE
         else 0.0
     )
     after = now + timedelta(seconds=delay) if delay > 0 else None

@@ -1,6 +1,7 @@
 """Pure builders for everything the operator creates: pods, the headless Service, the Secret.
 
-Names are deterministic (``<job>-a<attempt>-r<rank>``), so a handler that runs twice creates
+Names are deterministic (``<job>-a<attempt>-r<rank>``, cut with a digest past 63 characters:
+:func:`bounded_name`), so a handler that runs twice creates
 nothing twice, and an operator restarted mid-flow finds (adopts) what its previous life made.
 
 Two ways to rendezvous (docs/operator.md, "Gang scheduling"):
@@ -16,6 +17,10 @@ Two ways to rendezvous (docs/operator.md, "Gang scheduling"):
   at once: the kubelet writes a pod's own name into its ``/etc/hosts``). torch's TCPStore
   client retries a name that does not resolve yet until its timeout, as it retries a refused
   connection.
+
+One module over 600 lines: every object the operator creates for a job (pods, Service,
+PodGroup, Secret) and every name derived for them is built here, so that names, labels and
+selectors agree by construction.
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ __all__ = [
     "KUEUE_GROUP_LABEL",
     "KUEUE_RETRIABLE_ANNOTATION",
     "MANAGED_BY_LABEL",
+    "MAX_DNS_LABEL",
     "RANK_LABEL",
     "SIDECAR_NAME",
     "TOKEN_DIR",
     "TOKEN_KEY",
     "TOKEN_VOLUME",
     "TRAINER_NAME",
+    "bounded_name",
     "job_selector",
     "kueue_group",
     "master_dns_name",
@@ -81,7 +88,11 @@ KUEUE_RETRIABLE_ANNOTATION: Final = "kueue.x-k8s.io/retriable-in-group"
 the pods) once none of them runs, whatever their phase. Without it Kueue finishes a group only
 when every pod Succeeded and keeps a failed or deleted pod until a replacement joins the group,
 so an attempt that Baton ends (a restart) would keep its pods, and the job, forever."""
-_MAX_LABEL_VALUE: Final = 63
+MAX_DNS_LABEL: Final = 63
+"""The longest DNS label (RFC 1035), label value and hostname: every name the operator derives
+from a job's name is bounded by it (:func:`bounded_name`)."""
+_MAX_DNS_SUBDOMAIN: Final = 253
+_DIGEST_CHARS: Final = 10
 POD_GROUP_API_GROUP: Final = "scheduling.k8s.io"
 POD_GROUP_VERSION: Final = "v1beta1"
 POD_GROUP_PLURAL: Final = "podgroups"
@@ -91,6 +102,8 @@ from ``k8s.io/api`` v0.37.2, ``scheduling/v1beta1/types.go`` and ``core/v1``'s
 
 TRAINER_NAME: Final = "trainer"
 SIDECAR_NAME: Final = "baton-sidecar"
+TERMINATION_LOG: Final = "/dev/termination-log"
+"""The sidecar's ``terminationMessagePath`` (Kubernetes' default, named explicitly)."""
 CONTROL_VOLUME: Final = "baton-control"
 CONTROL_DIR: Final = "/var/run/baton/control"
 FAST_VOLUME: Final = "baton-fast"
@@ -138,14 +151,30 @@ _RESTRICTED_CONTAINER: Final = {
 _RESTRICTED_POD: Final = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+def bounded_name(name: str, limit: int = MAX_DNS_LABEL) -> str:
+    """``name`` when it has at most ``limit`` characters; otherwise its head and a digest.
+
+    The digest (10 hex characters of the SHA-256 of the whole name) keeps the result unique
+    and deterministic, so a name derived from a job, an attempt and a rank stays valid (a DNS
+    label, a label value) at any attempt and rank and is found again after a restart.
+    """
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:_DIGEST_CHARS]
+    return f"{name[: limit - _DIGEST_CHARS - 1].rstrip('-.')}-{digest}"
+
+
 def pod_name(job: str, attempt: int, rank: int) -> str:
-    """The deterministic pod name of one rank of one attempt."""
-    return f"{job}-a{attempt}-r{rank}"
+    """The deterministic pod name of one rank of one attempt: ``<job>-a<attempt>-r<rank>``
+    when it fits in a DNS label (63 characters; the name is also the pod's hostname),
+    otherwise cut with a digest (:func:`bounded_name`)."""
+    return bounded_name(f"{job}-a{attempt}-r{rank}")
 
 
 def secret_name(job: str) -> str:
-    """The per-job sidecar token Secret (docs/contracts.md)."""
-    return f"{job}-sidecar-token"
+    """The per-job sidecar token Secret (docs/contracts.md); a Secret's name may have 253
+    characters, more than a 63-character job name and the suffix need."""
+    return bounded_name(f"{job}-sidecar-token", _MAX_DNS_SUBDOMAIN)
 
 
 def job_selector(job: str, attempt: int | None = None) -> str:
@@ -170,11 +199,7 @@ def kueue_group(job: str, attempt: int) -> str:
 
     A label value has at most 63 characters; a longer name keeps its head and a digest.
     """
-    name = f"{job}-a{attempt}"
-    if len(name) <= _MAX_LABEL_VALUE:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
-    return f"{name[: _MAX_LABEL_VALUE - 11].rstrip('-.')}-{digest}"
+    return bounded_name(f"{job}-a{attempt}")
 
 
 def pod_group_name(job: str, attempt: int) -> str:
@@ -457,10 +482,27 @@ def _sidecar_replication(
     return env, resources
 
 
+def _fill_in(ctx: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``ctx`` with each of restricted's ``defaults`` that it leaves unset filled in.
+
+    A value the template sets is kept: podpolicy.py has refused every one that contradicts
+    restricted (``allowPrivilegeEscalation: true``, ``runAsNonRoot: false``, an Unconfined
+    seccomp profile, capabilities other than NET_BIND_SERVICE added or ALL not dropped), so
+    what remains is the author's own stricter or equal choice (a Localhost profile).
+    """
+    out = dict(ctx)
+    for key, value in defaults.items():
+        if out.get(key) is None:
+            out[key] = copy.deepcopy(value)
+        elif isinstance(value, Mapping) and isinstance(out[key], Mapping):
+            out[key] = _fill_in(out[key], value)
+    return out
+
+
 def _restricted(container: dict[str, Any]) -> None:
-    ctx = dict(container.get("securityContext") or {})
-    ctx.update(copy.deepcopy(_RESTRICTED_CONTAINER))
-    container["securityContext"] = ctx
+    container["securityContext"] = _fill_in(
+        container.get("securityContext") or {}, _RESTRICTED_CONTAINER
+    )
 
 
 def _sidecar(
@@ -483,7 +525,12 @@ def _sidecar(
             # Long enough for a standby operator to take over and read a notice save's outcome
             # (docs/operator.md, "High availability"); the pod's grace period caps it.
             _env("BATON_SIDECAR_LINGER", config.sidecar_linger_seconds),
+            # The save's outcome, kept in the pod's status after the sidecar ends: read by an
+            # operator that could not poll it (pods.PodView.sidecar_final).
+            _env("BATON_TERMINATION_LOG", TERMINATION_LOG),
         ],
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
         "ports": [{"name": "baton-ctl", "containerPort": config.sidecar_port, "protocol": "TCP"}],
         "volumeMounts": [
             {"name": CONTROL_VOLUME, "mountPath": CONTROL_DIR},
@@ -640,8 +687,7 @@ def pod_manifest(
     )
     pod_spec["volumes"] = volumes
 
-    pod_ctx = dict(pod_spec.get("securityContext") or {})
-    pod_ctx.update(copy.deepcopy(_RESTRICTED_POD))
+    pod_ctx = _fill_in(pod_spec.get("securityContext") or {}, _RESTRICTED_POD)
     if pod_ctx.get("fsGroup") is None:
         # Without an fsGroup a 0440 token would be root's alone. Only set here, the change
         # policy keeps the kubelet from re-owning the user's volumes on every start.
@@ -658,15 +704,14 @@ def pod_manifest(
         for t in pod_spec.get("tolerations") or []
         if t.get("key") not in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
     ]
+    # Tolerated without end: the operator alone removes a lost node's pods (after
+    # --node-lost-seconds, nodes.ClusterView.node_lost). A timed toleration made the taint
+    # manager a second judge, and it deletes by name with no UID precondition: its timer,
+    # set for the lost pod, fired on the same-named replacement the operator had already
+    # created on a healthy node (the timer is not cancelled when a pod of that name exists on
+    # an untainted node: tainteviction.handlePodUpdate), and the job restarted from scratch.
     for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
-        tolerations.append(
-            {
-                "key": key,
-                "operator": "Exists",
-                "effect": "NoExecute",
-                "tolerationSeconds": config.node_lost_seconds,
-            }
-        )
+        tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute"})
     pod_spec["tolerations"] = tolerations
     # The operator decides what happens after a rank exits; a kubelet restart would hide it.
     pod_spec["restartPolicy"] = "Never"

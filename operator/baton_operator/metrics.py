@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from aiohttp import web
@@ -24,7 +25,7 @@ from prometheus_client import (
 )
 
 from .lifecycle import Phase
-from .reports import TIERS
+from .vocabulary import Tier
 
 __all__ = ["Health", "Metrics", "serve"]
 
@@ -142,8 +143,8 @@ class Metrics:
         self.preemptions.labels(*key)
         self.steps_lost_total.labels(*key)
         self.gpu_seconds_lost_total.labels(*key)
-        for tier in TIERS:
-            self.checkpoints.labels(*key, tier)
+        for tier in Tier:
+            self.checkpoints.labels(*key, tier.value)
         self.failure_budget.labels(*key).set(failures_left)
         self.last_checkpoint.labels(*key).set(last_checkpoint)
 
@@ -186,8 +187,8 @@ class Metrics:
     def checkpoint_committed(self, namespace: str, name: str, tier: str | None) -> None:
         """Count a commit recorded in ``status.lastCheckpoint`` (no tier: an SDK before tiers,
         whose saves are durable; an unknown word is not counted, the label stays bounded)."""
-        tier = tier or TIERS[0]
-        if tier in TIERS:
+        tier = tier or Tier.DURABLE.value
+        if tier in frozenset(Tier):
             self.checkpoints.labels(namespace, name, tier).inc()
 
     def count_restart(self, namespace: str, name: str, reason: str) -> None:
@@ -215,8 +216,8 @@ class Metrics:
             _remove(metric, key)
         for reason in self._restart_reasons.pop(key, set()):
             _remove(self.restarts, (*key, reason))
-        for tier in TIERS:
-            _remove(self.checkpoints, (*key, tier))
+        for tier in Tier:
+            _remove(self.checkpoints, (*key, tier.value))
 
     def render(self) -> bytes:
         """The text exposition of every metric."""
@@ -227,6 +228,10 @@ def _remove(metric: Counter | Gauge | Histogram, labels: tuple[str, ...]) -> Non
     # KeyError: never created (e.g. a job that finished before this operator started)
     with contextlib.suppress(KeyError):
         metric.remove(*labels)
+
+
+DENIED_GRACE_SECONDS: Final = 10.0
+"""/healthz fails this soon when every call is refused for want of RBAC (401/403)."""
 
 
 class Health:
@@ -240,8 +245,12 @@ class Health:
         than a brief API-server restart, shorter than the kubelet's patience."""
         self._clock = clock
         self._failing_since: float | None = None
+        self._failing_since_wall: datetime | None = None
         self._last_error = ""
+        self._denied = False
         self._on_recovered: list[Callable[[float], None]] = []
+        self.last_outage: tuple[datetime, float, str] | None = None
+        """The latest run of failed calls that ended: (when it began, seconds, last error)."""
 
     def on_recovered(self, callback: Callable[[float], None]) -> None:
         """Call ``callback(seconds)`` whenever calls work again after failing that long."""
@@ -252,13 +261,18 @@ class Health:
         if self._failing_since is not None:
             lasted = self._clock() - self._failing_since
             self._failing_since = None
+            began = self._failing_since_wall or datetime.now(tz=UTC)
+            self.last_outage = (began, lasted, self._last_error)
             for callback in self._on_recovered:
                 callback(lasted)
 
-    def failed(self, error: str) -> None:
-        """An API call failed (``error`` names the call and the HTTP status, never a token)."""
+    def failed(self, error: str, *, status: int | None = None) -> None:
+        """An API call failed (``error`` names the call and the HTTP status, never a token;
+        ``status`` 401 or 403: the operator lacks the credentials or RBAC for its work)."""
+        self._denied = status in (401, 403)
         if self._failing_since is None:
             self._failing_since = self._clock()
+            self._failing_since_wall = datetime.now(tz=UTC)
         self._last_error = error
 
     def failing_for(self) -> float:
@@ -269,7 +283,11 @@ class Health:
 
     def problem(self) -> str | None:
         """Why the operator cannot work, or None."""
-        if self._failing_since is None or self.failing_for() < self.grace_seconds:
+        grace = self.grace_seconds
+        if self._denied:
+            # Lost RBAC does not come back by itself as a restarting API server does.
+            grace = min(grace, DENIED_GRACE_SECONDS)
+        if self._failing_since is None or self.failing_for() < grace:
             return None
         return (
             f"every Kubernetes API call has failed for {self.failing_for():.0f}s; last: "

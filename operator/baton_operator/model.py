@@ -14,12 +14,16 @@ from decimal import Decimal
 from typing import Any, Final
 
 __all__ = [
+    "JOB_NAME_PATTERN",
     "KUEUE_PRIORITY_LABEL",
     "KUEUE_QUEUE_LABEL",
+    "MAX_JOB_NAME",
+    "MAX_PORT",
     "QUANTITY_PATTERN",
     "FastTier",
     "JobSpec",
     "LastCheckpoint",
+    "name_error",
     "parse_bytes",
 ]
 
@@ -36,6 +40,27 @@ _UNITS: Final = {
     "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }  # fmt: skip
+
+
+MAX_JOB_NAME: Final = 63
+"""A TrainingJob's name is a DNS-1035 label: it names the job's headless Service."""
+JOB_NAME_PATTERN: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_PORT: Final = 65535
+
+
+def name_error(name: str) -> str | None:
+    """Why ``name`` cannot name a TrainingJob, with the fix; None when it can.
+
+    The CRD refuses such a name at admission (crd.py); this is the operator's backstop for an
+    object admitted by an older CRD.
+    """
+    if len(name) <= MAX_JOB_NAME and re.fullmatch(JOB_NAME_PATTERN, name):
+        return None
+    return (
+        f"metadata.name {name!r} is not a DNS-1035 label of at most {MAX_JOB_NAME} characters "
+        "(lowercase letters, digits and '-', starting with a letter): it names the job's "
+        "headless Service. Re-create the TrainingJob under such a name"
+    )
 
 
 def parse_bytes(value: object) -> int | None:
@@ -165,6 +190,13 @@ class JobSpec:
                 f"{replicas} (each copy goes to another pod): lower fastReplicas"
             )
             fast = None
+        master_port = int(spec.get("masterPort", 29500))
+        if not 1 <= master_port <= MAX_PORT:
+            spec_error = (
+                f"spec.masterPort={master_port} is not a TCP port: use 1 to {MAX_PORT} "
+                "(the default 29500 suits most jobs)"
+            )
+        spec_error = name_error(str(meta["name"])) or spec_error
         return cls(
             namespace=str(meta.get("namespace", "default")),
             name=str(meta["name"]),
@@ -174,7 +206,7 @@ class JobSpec:
             procs_per_replica=int(spec.get("procsPerReplica", 1)),
             min_replicas=None if spec.get("minReplicas") is None else int(spec["minReplicas"]),
             elastic_wait_seconds=float(spec.get("elasticWaitSeconds", 60)),
-            master_port=int(spec.get("masterPort", 29500)),
+            master_port=master_port,
             template=spec.get("template") or {},
             checkpoint_uri=str(ckpt["uri"]),
             every_steps=None if ckpt.get("everySteps") is None else int(ckpt["everySteps"]),

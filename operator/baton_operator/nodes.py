@@ -2,19 +2,33 @@
 
 Pure state (no I/O): the kopf Node handler feeds it, the controller and the pod decisions
 (``pods.py``) read it.
+
+A deleted Node leaves a tombstone (:attr:`ClusterView.deleted`): its pods stay in the API
+until the operator removes them or the pod garbage collector does (orphans, after 40 s), and
+a pod on a deleted node is lost at once, while a pod on a node never seen is not (the Node
+watch's first listing may not have come yet). A tombstone is kept :data:`DELETED_KEPT`, then
+dropped: on a spot cluster node names are deleted all day and never come back, and a set of
+every name ever deleted grew for the operator's whole life. After that a pod still naming
+the node is judged as by an operator started since (the node unknown): its overdue deletion
+makes the operator look the node up, and the pod garbage collector removes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from .notices import Notice, node_notices, parse_time
 from .settings import OperatorConfig
 
-__all__ = ["POOL_LABELS", "ZONE_LABEL", "ClusterView", "node_pool"]
+__all__ = ["DELETED_KEPT", "POOL_LABELS", "ZONE_LABEL", "ClusterView", "node_pool"]
+
+DELETED_KEPT: Final = timedelta(hours=1)
+"""How long a deleted Node's tombstone is kept: its pods are gone well before (the operator
+force-deletes them at its job's next tick, at most a 30 s API backoff later; the pod garbage
+collector after 40 s), with a wide margin for a slow tick or a stopped controller-manager."""
 
 ZONE_LABEL: Final = "topology.kubernetes.io/zone"
 """A node's zone (the well-known label every cloud's nodes carry)."""
@@ -61,7 +75,8 @@ class ClusterView:
 
     config: OperatorConfig
     nodes: dict[str, _Node] = field(default_factory=dict)
-    deleted: set[str] = field(default_factory=set)
+    deleted: dict[str, datetime] = field(default_factory=dict)
+    """Deleted nodes, by when their deletion was seen, for :data:`DELETED_KEPT`."""
     pools: dict[str, str] = field(default_factory=dict)
     """Each labelled node's pool (:func:`node_pool`)."""
     zones: dict[str, str] = field(default_factory=dict)
@@ -95,17 +110,21 @@ class ClusterView:
         merged = [known.get(n.source, n) for n in found]
         fresh = [n for n in found if n.source not in known]
         self.nodes[name] = _Node(ready=ready, not_ready_since=since, notices=merged)
-        self.deleted.discard(name)
+        self.deleted.pop(name, None)
         return fresh
 
-    def remove_node(self, name: str) -> None:
-        """A Node object was deleted: whatever ran there is lost."""
+    def remove_node(self, name: str, *, now: datetime | None = None) -> None:
+        """A Node object was deleted (seen at ``now``, default the clock): whatever ran there
+        is lost. Tombstones older than :data:`DELETED_KEPT` go."""
+        now = now or datetime.now(tz=UTC)
         self.nodes.pop(name, None)
         self.pools.pop(name, None)
         self.zones.pop(name, None)
-        self.deleted.add(name)
+        horizon = now - DELETED_KEPT
+        self.deleted = {n: t for n, t in self.deleted.items() if t > horizon and n != name}
+        self.deleted[name] = now
 
-    def sweep(self, present: set[str]) -> list[str]:
+    def sweep(self, present: set[str], *, now: datetime | None = None) -> list[str]:
         """Forget the known nodes a fresh list no longer has, as deleted; return them.
 
         The Node watch tells of a deletion only while it runs: a Node deleted while the API
@@ -114,7 +133,7 @@ class ClusterView:
         the pod garbage collector instead of being replaced at once."""
         gone = sorted(set(self.nodes) - present)
         for name in gone:
-            self.remove_node(name)
+            self.remove_node(name, now=now)
         return gone
 
     def notices_on(self, node: str) -> list[Notice]:
@@ -126,7 +145,8 @@ class ClusterView:
         """The node was deleted, or has not been Ready for ``node_lost_seconds``."""
         if not node:
             return False
-        if node in self.deleted:
+        deleted = self.deleted.get(node)
+        if deleted is not None and now - deleted < DELETED_KEPT:
             return True
         info = self.nodes.get(node)
         if info is None or info.ready or info.not_ready_since is None:

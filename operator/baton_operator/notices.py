@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from .vocabulary import NOTICE_SOURCES
+from .vocabulary import InterruptionSource as Source
+
 __all__ = [
     "SOURCES",
     "Graces",
@@ -39,20 +42,12 @@ AUTOSCALER: Final = "ToBeDeletedByClusterAutoscaler"
 OUT_OF_SERVICE: Final = "node.kubernetes.io/out-of-service"
 DISRUPTION_TARGET: Final = "DisruptionTarget"
 
-SOURCES: Final = (
-    "aws",
-    "karpenter",
-    "gke",
-    "autoscaler",
-    "cordon",
-    "out-of-service",
-    "disruption-target",
-)
+SOURCES: Final = NOTICE_SOURCES
 """Values of ``Notice.source`` (and of the ``source`` label of ``baton_notices_total``)."""
 
 # When a node carries several notices (NTH cordons *and* taints), the specific one explains
 # more to the on-call engineer than "cordoned"; cordon is reported only when alone.
-_SPECIFICITY: Final = {s: i for i, s in enumerate(SOURCES)}
+_SPECIFICITY: Final[dict[str, int]] = {s: i for i, s in enumerate(SOURCES)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,22 +135,27 @@ def node_notices(node: Mapping[str, Any], *, now: datetime, graces: Graces) -> l
         if key in NTH_TAINTS:
             grace = graces.aws_spot if key.endswith("spot-itn") else graces.aws_other
             base = added or _epoch(labels.get(NTH_ACTION_TIME))
-            add("aws", base, grace, f"AWS Node Termination Handler: {NTH_TAINTS[key]}")
+            add(Source.AWS, base, grace, f"AWS Node Termination Handler: {NTH_TAINTS[key]}")
         elif key == KARPENTER_DISRUPTED or (
             key == KARPENTER_LEGACY and taint.get("value") == "disrupting"
         ):
-            add("karpenter", added, graces.karpenter, "Karpenter is disrupting the node")
+            add(Source.KARPENTER, added, graces.karpenter, "Karpenter is disrupting the node")
         elif key == GKE_TERMINATION:
-            add("gke", added, graces.gke, "GKE: impending node termination")
+            add(Source.GKE, added, graces.gke, "GKE: impending node termination")
         elif key == AUTOSCALER:
             # The taint's value is the Unix time at which the autoscaler marked the node.
             base = _epoch(taint.get("value")) or added
-            add("autoscaler", base, graces.autoscaler, "cluster autoscaler is removing the node")
+            add(
+                Source.AUTOSCALER,
+                base,
+                graces.autoscaler,
+                "cluster autoscaler is removing the node",
+            )
         elif key == OUT_OF_SERVICE:
             # The node is already down: no time left for a save, the last commit is all we get.
-            add("out-of-service", added or now, 0.0, "node is out of service (already down)")
+            add(Source.OUT_OF_SERVICE, added or now, 0.0, "node is out of service (already down)")
     if spec.get("unschedulable"):
-        add("cordon", None, graces.cordon, "node was cordoned")
+        add(Source.CORDON, None, graces.cordon, "node was cordoned")
     found.sort(key=lambda n: _SPECIFICITY[n.source])
     return found
 
@@ -177,7 +177,7 @@ def pod_notice(pod: Mapping[str, Any], *, now: datetime, graces: Graces) -> Noti
         reason = str(cond.get("reason") or "DisruptionTarget")
         message = cond.get("message")
         return Notice(
-            source="disruption-target",
+            source=Source.DISRUPTION_TARGET,
             node=str(spec.get("nodeName") or ""),
             deadline=deadline,
             reason=f"pod disruption: {reason}" + (f" ({message})" if message else ""),

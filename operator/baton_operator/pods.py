@@ -8,6 +8,8 @@ the state machine sees of each rank (:func:`rank_view`).
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,6 +20,7 @@ from .jobstatus import JobStatus
 from .lifecycle import RankView
 from .nodes import ClusterView
 from .notices import Graces, Notice, earliest, pod_notice
+from .reports import SidecarStatus
 
 __all__ = [
     "PodView",
@@ -29,6 +32,8 @@ __all__ = [
 ]
 
 _FINISHED = ("Succeeded", "Failed")
+
+_log = logging.getLogger(__name__)
 
 
 def _label_int(labels: Mapping[str, Any], key: str) -> int:
@@ -65,6 +70,10 @@ class PodView:
     """The exit code of the trainer's previous run (``lastState.terminated``), if any."""
     unschedulable: bool
     """``PodScheduled`` is False for reason Unschedulable."""
+    sidecar_final: SidecarStatus | None
+    """The sidecar's last report, from its termination message once it has ended: what an
+    operator that could not poll it (a new leader, one back from an API outage) learns of
+    the save it served."""
     body: Mapping[str, Any]
 
     @property
@@ -100,6 +109,7 @@ class PodView:
             for c in status.get("conditions") or []
         )
         return cls(
+            sidecar_final=_sidecar_final(status),
             name=str(meta.get("name", "")),
             uid=str(meta.get("uid", "")),
             rank=_label_int(labels, manifests.RANK_LABEL),
@@ -115,6 +125,24 @@ class PodView:
             unschedulable=unschedulable,
             body=pod,
         )
+
+
+def _sidecar_final(status: Mapping[str, Any]) -> SidecarStatus | None:
+    """The sidecar's termination message (manifests.TERMINATION_LOG), parsed; None while it
+    runs, or when the message is missing or not a report (an older sidecar, a cut-off file)."""
+    for cs in status.get("initContainerStatuses") or []:
+        if cs.get("name") != manifests.SIDECAR_NAME:
+            continue
+        message = ((cs.get("state") or {}).get("terminated") or {}).get("message")
+        if not message:
+            return None
+        try:
+            raw = json.loads(message)
+            return SidecarStatus.from_json(raw) if isinstance(raw, dict) else None
+        except (ValueError, TypeError) as e:
+            _log.debug("sidecar termination message not a report: %s", e)
+            return None
+    return None
 
 
 def notice_for(

@@ -14,12 +14,9 @@ from typing import Any, Final
 
 from .model import LastCheckpoint
 from .notices import parse_time
-from .vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
+from .vocabulary import EMERGENCY_TRIGGERS, SaveState, Tier, Trigger
 
 __all__ = [
-    "MEMORY_TIER",
-    "PROMOTED_TIER",
-    "TIERS",
     "SidecarStatus",
     "answers",
     "commit_tier",
@@ -32,13 +29,7 @@ __all__ = [
 ]
 
 
-DURABLE_TIER: Final = "durable"
-MEMORY_TIER: Final = "memory"
-"""A notice committed to the ranks' memory tier, replicated to peers; not durable yet."""
-PROMOTED_TIER: Final = "memory+promoted"
-"""A memory commit whose promotion to the checkpoint uri has committed too."""
-TIERS: Final = (DURABLE_TIER, MEMORY_TIER, PROMOTED_TIER)
-"""Every tier the SDK reports (``baton_checkpoints_total``'s bounded ``tier`` label)."""
+_TIERS: Final = frozenset(Tier)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +92,7 @@ class SidecarStatus:
     def durable(self) -> bool:
         """Whether the save of ``step`` is in durable storage (every tier but a memory commit
         whose promotion has not committed yet)."""
-        return self.tier != MEMORY_TIER
+        return self.tier != Tier.MEMORY
 
     @property
     def committed_step(self) -> int | None:
@@ -171,7 +162,7 @@ def memory_commit(
         if (
             report is None
             or report.state != SaveState.COMMITTED
-            or report.tier not in (MEMORY_TIER, PROMOTED_TIER)
+            or report.tier not in (Tier.MEMORY, Tier.PROMOTED)
             or not (
                 (expected and report.request_id == expected) or report.trigger in EMERGENCY_TRIGGERS
             )
@@ -190,15 +181,15 @@ def commit_tier(reports: Iterable[SidecarStatus | None], step: int) -> str | Non
     tiers = [
         r.tier
         for r in reports
-        if r is not None and r.tier in TIERS and step in (r.step, r.last_committed_step)
+        if r is not None and r.tier in _TIERS and step in (r.step, r.last_committed_step)
     ]
-    if PROMOTED_TIER in tiers:
-        return PROMOTED_TIER
+    if Tier.PROMOTED in tiers:
+        return Tier.PROMOTED.value
     return tiers[0] if tiers else None
 
 
 def _tier(value: Any) -> str | None:
-    return value if isinstance(value, str) and value in TIERS else None
+    return value if isinstance(value, str) and value in _TIERS else None
 
 
 def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus]) -> int | None:

@@ -1,40 +1,34 @@
 """Suspending and unsuspending a job (``spec.suspend``, as Kueue drives it).
 
 A running attempt is asked for a checkpoint first (the notice path's record, requests,
-deadline and verdict, in the controller's ``_checkpointing``), then its pods stop; a pending
+deadline and verdict, in ``noticing.py``), then its pods stop; a pending
 one stops at once; a suspended job keeps no pod, and when ``spec.suspend`` is false again the
 next attempt starts from the step recorded when it stopped. No budget is spent and no restart
 is counted. The controller decides *when* (it reads ``spec.suspend`` on every tick); this
-module carries the suspend out, with the controller's restart, hint and pod-delete steps
-handed in (the same ones the notice path uses).
+module carries the suspend out with the steps every phase uses (``actions.py``: restart, hint,
+delete pods, start the next attempt), the same ones the notice path uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
-from datetime import datetime, timedelta
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from . import lifecycle, reports
-from .creating import Creator
+from .actions import Actions
 from .jobstatus import iso
 from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
 from .metrics import Metrics
-from .model import JobSpec, LastCheckpoint
+from .model import LastCheckpoint
 from .notices import parse_time
 from .pods import PodView
 from .settings import OperatorConfig
 from .tick import Tick
-from .vocabulary import Trigger
+from .vocabulary import RestartKind, Trigger
 from .writing import StatusWriter
 
 __all__ = ["Suspender"]
-
-Restart = Callable[..., Awaitable[None]]
-"""The controller's ``_restart(t, *, kind, resume_step, detail, extra=, suspend_reason=)``."""
-Hint = Callable[[Tick, Sequence[PodView], Phase | None], Awaitable[None]]
-DeletePods = Callable[[JobSpec, Sequence[PodView], datetime], Awaitable[None]]
 
 
 def _suspended_seconds(t: Tick) -> float:
@@ -56,25 +50,19 @@ class Suspender:
         config: OperatorConfig,
         metrics: Metrics,
         writer: StatusWriter,
-        creator: Creator,
-        restart: Restart,
-        hint: Hint,
-        delete_pods: DeletePods,
+        actions: Actions,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._patch = writer.patch
         self._event = writer.event
-        self._ensure_pods = creator.ensure_pods
-        self._restart = restart
-        self._hint = hint
-        self._delete_pods = delete_pods
+        self._actions = actions
 
     async def begin(self, t: Tick, phase: Phase) -> None:
         """``spec.suspend`` is true on a Pending or Running attempt.
 
         Running: every rank is asked for a checkpoint first, as for a notice (the same status
-        record, requests, deadline and verdict in ``_checkpointing``), and the pods stop after
+        record, requests, deadline and verdict: ``noticing.py``), and the pods stop after
         it. Pending: nothing has trained since the last commit, so the pods stop at once.
         """
         status, now = t.status, t.now
@@ -82,8 +70,8 @@ class Suspender:
             if not t.current:
                 await self.idle(t, "spec.suspend is true before any pod was created")
                 return
-            await self._restart(
-                t, kind="suspend", resume_step=status.resume_step,
+            await self._actions.restart(
+                t, kind=RestartKind.SUSPEND, resume_step=status.resume_step,
                 detail="spec.suspend is true before the attempt was running",
             )  # fmt: skip
             return
@@ -92,8 +80,9 @@ class Suspender:
             least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
         )  # fmt: skip
         message = (
-            f"spec.suspend is true: asking all {len(t.current)} ranks to checkpoint before "
-            f"{iso(deadline)}, then stopping the pods"
+            f"spec.suspend is true: asking "
+            f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
+            f"before {iso(deadline)}, then stopping the pods"
         )
         record = {
             "source": SUSPEND_SOURCE,
@@ -109,7 +98,7 @@ class Suspender:
             .condition("Checkpointing", True, "Suspend", message)
             .set({"notice": record, "message": message}),
         )
-        await self._hint(t, list(t.current.values()), Phase.CHECKPOINTING)
+        await self._actions.hint(t, list(t.current.values()), Phase.CHECKPOINTING)
         await self._event(t.job, "Normal", "Suspending", message)
 
     async def end_save(self, t: Tick, verdict: Verdict) -> None:
@@ -127,10 +116,11 @@ class Suspender:
             self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
             await self._event(
                 t.job, "Normal", "CheckpointCommitted",
-                f"all {len(t.views)} ranks committed step {verdict.step}; suspending",
+                f"{lifecycle.every_rank(len(t.views), spec.procs_per_replica)} committed "
+                f"step {verdict.step}; suspending",
             )  # fmt: skip
-            await self._restart(
-                t, kind="suspend", resume_step=verdict.step,
+            await self._actions.restart(
+                t, kind=RestartKind.SUSPEND, resume_step=verdict.step,
                 detail=f"stopped at step {verdict.step}, its checkpoint committed",
                 extra={"lastCheckpoint": checkpoint.to_status()},
             )  # fmt: skip
@@ -146,8 +136,8 @@ class Suspender:
             + ("the start" if best is None else "it (or from a newer step committed unseen)")
         )
         await self._event(t.job, "Warning", "CheckpointFallback", message)
-        await self._restart(
-            t, kind="suspend", resume_step=best,
+        await self._actions.restart(
+            t, kind=RestartKind.SUSPEND, resume_step=best,
             detail=f"its checkpoint did not complete ({verdict.reason}); {step}",
             extra=extra, suspend_reason="SuspendedWithoutCheckpoint",
         )  # fmt: skip
@@ -169,7 +159,7 @@ class Suspender:
                 {
                     "message": message,
                     "masterAddr": None,
-                    "restartReason": "suspend",
+                    "restartReason": RestartKind.SUSPEND.value,
                     "suspendedAt": iso(t.now),
                 }
             ),
@@ -183,7 +173,7 @@ class Suspender:
         if pods:
             # Every pod of a suspended job goes, the last attempt's included (a restarted
             # operator finishes a suspend it had decided but not carried out).
-            await self._delete_pods(spec, pods, now)
+            await self._actions.delete_pods(spec, pods, now)
             return
         if spec.suspend or (status.restart_after is not None and now < status.restart_after):
             return
@@ -192,22 +182,15 @@ class Suspender:
         message = f"unsuspended: attempt {status.attempt} starts {replicas} replicas " + (
             "from scratch" if resume is None else f"from step {resume}"
         )
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.PENDING)
+        await self._actions.start_attempt(
+            t, message,
+            patch=t.patch()
             .condition("Suspended", False, "Resumed", message)
-            .condition("Ready", False, "Starting", message)
-            .set(
-                {
-                    "attemptStartedAt": iso(now),
-                    "restartAfter": None,
-                    "suspendedAt": None,
-                    # Goodput counts wall time less the time the job was held (economics.py).
-                    "suspendedSeconds": _suspended_seconds(t),
-                    "message": message,
-                }
-            ),
-        )
-        await self._event(t.job, "Normal", "Resumed", message)
-        await self._ensure_pods(t, replace(status, master_addr=None), replicas=replicas)
+            .condition("Ready", False, "Starting", message),
+            fields={
+                "suspendedAt": None,
+                # Goodput counts wall time less the time the job was held (economics.py).
+                "suspendedSeconds": _suspended_seconds(t),
+            },
+            reason="Resumed",
+        )  # fmt: skip

@@ -44,7 +44,7 @@ class JobMemory:
     from the watch cache only once the cache holds this version or a newer one."""
     restart_seen_at: datetime | None = None
     """When a trainer restarted in place was first seen unexplained (no recovery open): it
-    counts as a crash once no recovery explained it for a while (controller.py). Lost with
+    counts as a crash once no recovery explained it for a while (recovering.py). Lost with
     the daemon, which only delays that count."""
     synced_at: datetime | None = None
     """When the job and its pods were last read through the API rather than the watch cache
@@ -55,6 +55,21 @@ class JobMemory:
         if self.attempt != attempt:
             self.attempt = attempt
             self.reports = {}
+
+    def remember_final(self, pods: Mapping[int, PodView]) -> None:
+        """Take each ended sidecar's last report (its termination message) as its answer,
+        unless a newer one was polled: a sidecar that stopped before this daemon could poll
+        it (a new leader, an API outage) still tells what its save did."""
+        for rank, pod in pods.items():
+            final = pod.sidecar_final
+            if final is None:
+                continue
+            known = self.reports.get(rank)
+            if known is None or (
+                final.heartbeat is not None
+                and (known.heartbeat is None or final.heartbeat > known.heartbeat)
+            ):
+                self.reports[rank] = final
 
     def committed_notice(self, rank: int) -> bool:
         """The rank's sidecar reported a committed save for a notice or a signal."""

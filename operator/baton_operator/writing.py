@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from .jobstatus import StatusPatch
-from .kube import Kube
+from .kube import Kube, describe
 from .tick import Tick
 
 __all__ = ["EventPoster", "StatusWriter"]
@@ -51,5 +51,10 @@ class StatusWriter:
                   reason, message)  # fmt: skip
         try:
             await self._post(job, kind, reason, message)
-        except Exception:  # an Event is best effort; never let it stop the reconcile
-            _log.warning("could not post Event %s", reason, exc_info=False)
+        except Exception as e:  # an Event is best effort; never let it stop the reconcile
+            # The API server's reason and message (an RBAC refusal says which verb is
+            # missing); never a traceback or headers, which can carry the token (kopf#305).
+            _log.warning(
+                "%s/%s: could not post Event %s: %s",
+                job["metadata"]["namespace"], job["metadata"]["name"], reason, describe(e),
+            )  # fmt: skip

@@ -36,7 +36,8 @@ import aiohttp
 from baton_sidecar._config import Cloud, SidecarConfig
 from baton_sidecar._errors import SidecarError
 from baton_sidecar._metrics import SidecarMetrics
-from trainer_sdk.control import ControlError, State, Status, parse_rfc3339, utcnow
+from trainer_sdk.control import ControlError, Status, parse_rfc3339, utcnow
+from trainer_sdk.wire import State
 
 __all__ = [
     "AwsPoller",

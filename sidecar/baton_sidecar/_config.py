@@ -139,6 +139,11 @@ class SidecarConfig:
     """After SIGTERM, how long to keep answering ``/v1/status`` while a checkpoint request's
     outcome has not been read yet (the trainer usually exits right after its notice save, and
     the kubelet stops the sidecar at once). 0 exits at once; a second SIGTERM always does."""
+    termination_log: Path | None = None
+    """Where to write the save's outcome when the sidecar stops (``$BATON_TERMINATION_LOG``:
+    the container's ``terminationMessagePath``, which the kubelet copies into the pod's
+    status): an operator that was not there to poll (a new leader after a fail-over, or one
+    back from an API outage) reads a commit from the pod itself. None: not written."""
     max_body_bytes: int = 16 * 1024
     """Largest accepted request body; a checkpoint request is a few hundred bytes."""
     log_level: str = "INFO"
@@ -263,6 +268,9 @@ def parse_config(
         backoff_max=_env_number(env, "BATON_SIDECAR_BACKOFF_MAX", 30.0),
         linger_seconds=_env_number(env, "BATON_SIDECAR_LINGER", 5.0),
         fast_dir=Path(env["BATON_FAST_DIR"]) if env.get("BATON_FAST_DIR") else None,
+        termination_log=(
+            Path(env["BATON_TERMINATION_LOG"]) if env.get("BATON_TERMINATION_LOG") else None
+        ),
         peers=_env_peers(env),
         replicas=_env_number(env, "BATON_REPLICATION_REPLICAS", 1),
         failure_domain=env.get("BATON_FAILURE_DOMAIN", ""),

@@ -8,6 +8,7 @@ Azure acknowledgement see every save that ends.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
@@ -19,14 +20,12 @@ from trainer_sdk.control import (
     STATUS_FILE,
     ControlChannel,
     ControlError,
-    Liveness,
     Request,
-    State,
     Status,
-    Tier,
     trainer_liveness,
     utcnow,
 )
+from trainer_sdk.wire import Liveness, State, Tier
 
 __all__ = ["Sidecar", "StatusListener"]
 
@@ -37,6 +36,14 @@ StatusListener = Callable[[Status], None]
 
 _ENDED: Final = frozenset({State.COMMITTED, State.FAILED, State.SKIPPED})
 _IN_FLIGHT: Final = frozenset({State.REQUESTED, State.SAVING})
+
+FINAL_REPORT_KEYS: Final = (
+    "state", "step", "uri", "seconds", "error", "request_id", "trigger", "last_committed_step",
+    "restored_step", "restored_tier", "train_step", "step_seconds", "heartbeat", "tier",
+)  # fmt: skip
+"""The fields of ``GET /v1/status`` the operator reads (its ``reports.SidecarStatus``)."""
+MAX_TERMINATION_MESSAGE: Final = 4096
+"""The kubelet keeps this many bytes of a container's termination message."""
 
 
 class Sidecar:
@@ -167,6 +174,21 @@ class Sidecar:
         body["clouds"] = self.clouds
         body["replication"] = None if self.replication is None else self.replication()
         return body
+
+    def final_report(self) -> str | None:
+        """The save's outcome as the operator parses it from ``GET /v1/status`` (the
+        SDK's fields only, compact JSON within the kubelet's 4096 bytes), for the
+        container's termination message; None when the status cannot be read."""
+        try:
+            body = self.status_view()
+        except ControlError:
+            return None
+        report = {k: body.get(k) for k in FINAL_REPORT_KEYS}
+        text = json.dumps(report, separators=(",", ":"))
+        if len(text.encode()) > MAX_TERMINATION_MESSAGE:
+            report["error"] = None  # the one unbounded field
+            text = json.dumps(report, separators=(",", ":"))
+        return text if len(text.encode()) <= MAX_TERMINATION_MESSAGE else None
 
     def unanswered(self) -> bool:
         """Whether a checkpoint request is pending, running, or ended without its outcome

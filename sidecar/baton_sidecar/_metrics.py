@@ -19,7 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from trainer_sdk.control import ROUTINE_TRIGGERS, SavePhase, State, Status, Trigger
+from trainer_sdk.control import Status
+from trainer_sdk.wire import ROUTINE_TRIGGERS, SavePhase, State, Trigger
 
 __all__ = ["NOTICE_SOURCES", "PHASES", "TRIGGERS", "SidecarMetrics"]
 

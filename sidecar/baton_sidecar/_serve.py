@@ -85,6 +85,7 @@ async def serve(config: SidecarConfig, *, stop: asyncio.Event | None = None) -> 
                 if task.get_name() != "status":
                     task.cancel()
             await _linger(config, sidecar, loop)
+            _write_final_report(config, sidecar)
             log.info("stopping")
         finally:
             for task in tasks:
@@ -154,6 +155,22 @@ async def _linger(config: SidecarConfig, sidecar: Sidecar, loop: asyncio.Abstrac
     while sidecar.unanswered() and not again.is_set() and loop.time() < end:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(again.wait(), timeout=0.1)
+
+
+def _write_final_report(config: SidecarConfig, sidecar: Sidecar) -> None:
+    """The save's outcome into the container's termination message, which the kubelet keeps
+    in the pod's status after this container ends: an operator that could not poll this
+    sidecar before it stopped (a new leader, or one back from an API outage) reads the commit
+    there. Best effort: a missing or unwritable file is logged."""
+    if config.termination_log is None:
+        return
+    report = sidecar.final_report()
+    if report is None:
+        return
+    try:
+        config.termination_log.write_text(report)
+    except OSError as e:
+        log.warning("cannot write the final report to %s: %s", config.termination_log, e)
 
 
 async def _run_clouds(

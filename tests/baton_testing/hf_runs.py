@@ -25,14 +25,18 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integrations" / "hf_train.py"
+SFT_SCRIPT = REPO / "tests" / "integrations" / "sft_train.py"
+"""A TRL SFTTrainer fine-tune through ``baton_trainer`` (same hooks and outputs as SCRIPT)."""
 RUN_TIMEOUT_S = 300.0
 STEPS = 18
 """Optimizer steps of the whole run: 3 epochs of 6 (see hf_train.py)."""
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def start(out: Path, **env: str) -> subprocess.Popen[bytes]:
-    """torchrun with 2 local workers, checkpointing to ``out/ckpt``."""
+def start(
+    out: Path, *, nproc: int = 2, script: Path = SCRIPT, **env: str
+) -> subprocess.Popen[bytes]:
+    """torchrun with ``nproc`` local workers of ``script``, checkpointing to ``out/ckpt``."""
     out.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -45,7 +49,7 @@ def start(out: Path, **env: str) -> subprocess.Popen[bytes]:
     with (out / "torchrun.log").open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT)],
+             f"--nproc-per-node={nproc}", "--max-restarts=0", str(script)],
             env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -85,8 +89,8 @@ def tail(out: Path) -> str:
     return (out / "torchrun.log").read_text(errors="replace")[-6000:]
 
 
-def run(out: Path, **env: str) -> int:
-    return finish(start(out, **env), out)
+def run(out: Path, *, nproc: int = 2, script: Path = SCRIPT, **env: str) -> int:
+    return finish(start(out, nproc=nproc, script=script, **env), out)
 
 
 def losses(out: Path, rank: int) -> list[tuple[int, str]]:

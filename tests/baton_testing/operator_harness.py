@@ -363,6 +363,32 @@ class Baton:
 
         return self.wait_for(job, done, timeout=timeout, what=f"phase {phase}")
 
+    def notice_while_held(
+        self, job: str, out: Path, *, hold_at: int, replicas: int = 2
+    ) -> tuple[str, dict[str, Any]]:
+        """For a script that holds after step ``hold_at`` (each rank writes ``held-<rank>``
+        into ``out`` and waits for the file ``out/release``), so that a notice always lands
+        mid-run however slow the machine: wait until every rank holds, give rank 1's node an
+        AWS spot notice, wait for the operator's checkpoint requests, release the ranks and
+        wait for the next attempt. Returns the noticed node and the status at the restart."""
+
+        def held(s: dict[str, Any]) -> bool:
+            if s.get("phase") == "Failed":
+                raise AssertionError(f"job Failed: {s.get('message')}" + self.diagnostics(job))
+            return all((out / f"held-{rank}").exists() for rank in range(replicas))
+
+        self.wait_for(job, held, timeout=300, what=f"every rank past step {hold_at}")
+        node = self.node_of(job, 1)
+        self.cluster.preempt(node, provider="aws", grace_s=40)
+
+        def requested(s: dict[str, Any]) -> bool:
+            return bool((s.get("notice") or {}).get("requestedAt"))
+
+        self.wait_for(job, requested, timeout=120, what="the checkpoint requests to the sidecars")
+        (out / "release").write_text("")
+
+        return node, self.wait_for(job, next_attempt, timeout=180, what="the next attempt")
+
     def wait_moved_once(
         self, job: str, noticed_node: str, watcher: Any, *, replicas: int, timeout: float = 240
     ) -> dict[str, Any]:
@@ -460,6 +486,12 @@ def operator_process(install: OperatorInstall, workdir: Path) -> OperatorProcess
             "cordon=25",
         ],
     )
+
+
+def next_attempt(status: dict[str, Any]) -> bool:
+    """A ``wait_for`` predicate: the job's next attempt (1 or later) is Pending or Running."""
+    attempt = int(status.get("attempt", 0))
+    return attempt >= 1 and status.get("phase") in ("Pending", "Running")
 
 
 def unique(prefix: str) -> str:

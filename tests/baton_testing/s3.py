@@ -310,6 +310,10 @@ class Fault:
     """fnmatch pattern on the object key."""
     part_numbers: frozenset[int] | None = None
     """Only UploadPart requests for these part numbers."""
+    range_starts: frozenset[int] | None = None
+    """Only GetObject requests whose ``Range`` header starts at one of these byte offsets.
+    Concurrent ranged GETs arrive in any order, so a fault meant for one range names it here
+    rather than by ``nth``."""
     nth: frozenset[int] | None = None
     """Only the n-th matching requests (1-based)."""
     times: int | None = None
@@ -320,8 +324,12 @@ class Fault:
     fired: int = 0
     fired_per_key: dict[str, int] = field(default_factory=dict)
 
-    def matches(self, op: str, key: str, query: dict[str, str]) -> bool:
+    def matches(
+        self, op: str, key: str, query: dict[str, str], range_header: str | None = None
+    ) -> bool:
         if op != self.op or (self.key is not None and not fnmatch.fnmatchcase(key, self.key)):
+            return False
+        if self.range_starts is not None and _range_start(range_header) not in self.range_starts:
             return False
         if self.part_numbers is not None and int(query.get("partNumber", 0)) not in (
             self.part_numbers
@@ -338,6 +346,14 @@ class Fault:
         self.fired += 1
         self.fired_per_key[key] = fired_here + 1
         return True
+
+
+def _range_start(header: str | None) -> int | None:
+    """The first byte of a ``Range: bytes=a-b`` header; None without one."""
+    if not header or not header.startswith("bytes="):
+        return None
+    first = header.removeprefix("bytes=").split("-", 1)[0]
+    return int(first) if first.isdigit() else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,7 +397,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
         arrived = time.time()
         op, bucket, key = classify(self.command, url.path, query)
-        fault = proxy.pick_fault(op, key, query)
+        fault = proxy.pick_fault(op, key, query, self.headers.get("Range"))
         recorded = False
 
         def record(status: int | None) -> None:
@@ -551,10 +567,12 @@ class FaultProxy:
             self._faults.clear()
             self._seen.clear()
 
-    def pick_fault(self, op: str, key: str, query: dict[str, str]) -> Fault | None:
+    def pick_fault(
+        self, op: str, key: str, query: dict[str, str], range_header: str | None = None
+    ) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.matches(op, key, query):
+                if fault.matches(op, key, query, range_header):
                     return fault
         return None
 

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -51,6 +52,13 @@ func (w *podWorker) startContainer(cr *containerRun) {
 		cr.waitReason, cr.waitMessage = "CreateContainerError", fmt.Sprintf("working directory %s: %v", workDir, err)
 		cr.nextStart = time.Now().Add(time.Second)
 		return
+	}
+	// Each run of the container starts with an empty termination message file, as with the
+	// kubelet's per-container file.
+	termLog := w.terminationLog(cr.spec)
+	if err := os.MkdirAll(filepath.Dir(termLog), 0o755); err == nil {
+		_ = os.WriteFile(termLog, nil, 0o666)
+		_ = os.Chmod(termLog, 0o666)
 	}
 	newCmd := func(argv []string, unshare uintptr) *exec.Cmd {
 		cmd := exec.Command(argv[0], argv[1:]...)
@@ -132,7 +140,7 @@ func (w *podWorker) startContainer(cr *containerRun) {
 		}
 		cr.term = &corev1.ContainerStateTerminated{
 			ExitCode: code, Reason: reason, StartedAt: metav1.NewTime(now), FinishedAt: metav1.NewTime(end),
-			ContainerID: cr.containerID,
+			ContainerID: cr.containerID, Message: readTerminationMessage(termLog),
 		}
 		if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 			cr.term.Signal = int32(ws.Signal())
@@ -181,6 +189,12 @@ func lookPath(name, path string) (string, error) {
 // mountFor returns the host directory that stands for path inside the container, using
 // the longest matching volumeMount.
 func (w *podWorker) translate(spec corev1.Container, v string) string {
+	if v == terminationMessagePath(spec) {
+		// The kubelet bind-mounts a file of its own there; the agent cannot (its containers
+		// may share the host's /dev), so the path stands for that file where the container
+		// names it, in its env or args, as a volume's mount path does.
+		return w.terminationLog(spec)
+	}
 	if strings.HasPrefix(v, "-") {
 		// --flag=/mount/path is translated after the '='.
 		if k, rest, ok := strings.Cut(v, "="); ok {
@@ -209,6 +223,35 @@ func (w *podWorker) translate(spec corev1.Container, v string) string {
 		}
 	}
 	return v
+}
+
+// terminationMessagePath is where the container writes its termination message.
+func terminationMessagePath(spec corev1.Container) string {
+	if spec.TerminationMessagePath != "" {
+		return spec.TerminationMessagePath
+	}
+	return corev1.TerminationMessagePathDefault
+}
+
+// terminationLog is the host file that stands for the container's terminationMessagePath.
+func (w *podWorker) terminationLog(spec corev1.Container) string {
+	return filepath.Join(w.dir, "termination", spec.Name)
+}
+
+// maxTerminationMessage is the kubelet's limit on one container's termination message.
+const maxTerminationMessage = 4096
+
+// readTerminationMessage is what the kubelet puts in state.terminated.message: the first
+// 4096 bytes of the file (FallbackToLogsOnError's log tail is not reproduced).
+func readTerminationMessage(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	buf := make([]byte, maxTerminationMessage)
+	n, _ := io.ReadFull(f, buf)
+	return string(buf[:n])
 }
 
 func upperSnake(s string) string {

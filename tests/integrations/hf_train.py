@@ -89,10 +89,31 @@ class LoggedTrainer(BatonTrainer):
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)
-        with (self.test_out / f"losses-{self.args.process_index}.jsonl").open("a") as f:
-            f.write(json.dumps({"step": self.state.global_step + 1, "loss": loss.item().hex()}))
-            f.write("\n")
+        log_loss(self, loss)
         return loss
+
+
+def log_loss(trainer: Any, loss: torch.Tensor) -> None:
+    """Append one micro-batch loss, exactly (float.hex), with the optimizer step it is part of
+    (shared with sft_train.py, which imports it: the script's folder is on its path)."""
+    with (trainer.test_out / f"losses-{trainer.args.process_index}.jsonl").open("a") as f:
+        f.write(json.dumps({"step": trainer.state.global_step + 1, "loss": loss.item().hex()}))
+        f.write("\n")
+
+
+def save_final(trainer: Any, model: torch.nn.Module, out: Path) -> None:
+    """Rank 0's end state for the tests' bitwise comparison: the weights, every optimizer
+    state tensor and the learning rates (final.safetensors), and the loss log history. Tied
+    weights (GPT-2's lm_head and embedding) are saved as copies, one per name."""
+    final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    opt = trainer.optimizer.optimizer.state_dict()
+    for pid, st in opt["state"].items():
+        for name, value in st.items():
+            final[f"optim.{pid}.{name}"] = torch.as_tensor(value).clone()
+    final["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+    save_file({k: v.contiguous().clone() for k, v in final.items()}, str(out / "final.safetensors"))
+    log_history = [e for e in trainer.state.log_history if "loss" in e]
+    (out / "log_history.json").write_text(json.dumps(log_history))
 
 
 def main() -> int:
@@ -147,15 +168,7 @@ def main() -> int:
         assert trainer.exit_code == EXIT_STOPPED_AFTER_NOTICE  # no memory tier here
         return trainer.exit_code
     if rank == 0:
-        final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-        opt = trainer.optimizer.optimizer.state_dict()
-        for pid, st in opt["state"].items():
-            for name, value in st.items():
-                final[f"optim.{pid}.{name}"] = torch.as_tensor(value).clone()
-        final["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
-        save_file(final, str(out / "final.safetensors"))
-        log_history = [e for e in trainer.state.log_history if "loss" in e]
-        (out / "log_history.json").write_text(json.dumps(log_history))
+        save_final(trainer, model, out)
         model.config.to_json_file(str(out / "config.json"))  # for the export test
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from baton_testing import hf_runs
@@ -55,25 +54,7 @@ def test_hf_trainer_job_survives_a_spot_notice_bitwise(baton: Baton, hf_referenc
     assert applied.returncode == 0, applied.stderr
     watcher = PodWatcher(baton, job)
 
-    def held(s: dict[str, Any]) -> bool:
-        if s.get("phase") == "Failed":
-            raise AssertionError(f"job Failed: {s.get('message')}" + baton.diagnostics(job))
-        return all((out / f"held-{rank}").exists() for rank in (0, 1))
-
-    baton.wait_for(job, held, timeout=300, what=f"both ranks past step {HOLD_AT}")
-    node = baton.node_of(job, 1)
-    baton.cluster.preempt(node, provider="aws", grace_s=40)
-
-    def requested(s: dict[str, Any]) -> bool:
-        return bool((s.get("notice") or {}).get("requestedAt"))
-
-    baton.wait_for(job, requested, timeout=120, what="the checkpoint requests to the sidecars")
-    (out / "release").write_text("")
-
-    def restarted(s: dict[str, Any]) -> bool:
-        return int(s.get("attempt", 0)) >= 1 and s.get("phase") in ("Pending", "Running")
-
-    at_restart = baton.wait_for(job, restarted, timeout=180, what="the next attempt")
+    node, at_restart = baton.notice_while_held(job, out, hold_at=HOLD_AT)
     last = at_restart.get("lastCheckpoint") or {}
     # Read first: the resumed run's periodic saves (save_total_limit=2) retire this step once
     # it has saved twice, which takes it many seconds from here (pods start, torch imports).

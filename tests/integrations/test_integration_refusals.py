@@ -8,6 +8,7 @@ through the Checkpointer, served at torchtitan's ``save()`` call.
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.integrations.torchtitan import BatonCheckpointManager
-from trainer_sdk.integrations.transformers import BatonTrainer
+from trainer_sdk.integrations.transformers import BatonTrainer, BatonTrainerMixin, baton_trainer
 
 SEQ = 8
 
@@ -106,6 +107,70 @@ def test_trainer_refuses_its_own_resume_options_and_iterable_data(tmp_path: Path
     )
     with pytest.raises(IntegrationError, match="map-style"):
         streaming.train()
+
+
+def test_enable_jit_checkpoint_is_refused_before_it_installs_a_sigterm_handler(
+    tmp_path: Path,
+) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    for call in (
+        lambda: BatonTrainer(
+            model=_model(),
+            args=_args(tmp_path, enable_jit_checkpoint=True),
+            train_dataset=_Tokens(),
+        ),
+        lambda: BatonTrainer(_model(), _args(tmp_path, enable_jit_checkpoint=True)),
+    ):
+        with pytest.raises(IntegrationError, match="set enable_jit_checkpoint=False"):
+            call()
+        # transformers' CheckpointManager would have replaced it in Trainer.__init__
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_baton_trainer_combines_with_trainer_subclasses_and_refuses_own_loaders() -> None:
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+
+    sft = baton_trainer(SFTTrainer)
+    assert sft.__name__ == "BatonSFTTrainer"
+    assert sft.__mro__[1:3] == (BatonTrainerMixin, SFTTrainer)
+    assert baton_trainer(SFTTrainer) is sft, "built once per base"
+    assert baton_trainer(sft) is sft
+    assert baton_trainer(BatonTrainer) is BatonTrainer
+    assert issubclass(baton_trainer(DPOTrainer), DPOTrainer)
+    assert BatonTrainer.__mro__[1:3] == (BatonTrainerMixin, transformers.Trainer)
+    with pytest.raises(IntegrationError, match="overrides get_train_dataloader"):
+        baton_trainer(GRPOTrainer)
+    with pytest.raises(IntegrationError, match=r"transformers\.Trainer subclass"):
+        baton_trainer(torch.nn.Module)
+
+
+def test_a_subclass_sampler_that_baton_would_replace_is_refused(tmp_path: Path) -> None:
+    class Reversed(torch.utils.data.Sampler[int]):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __iter__(self) -> Any:
+            return iter(range(self.n - 1, -1, -1))
+
+        def __len__(self) -> int:
+            return self.n
+
+    class OwnOrder(transformers.Trainer):  # type: ignore[misc]
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            if self.args.seed == 99:
+                return Reversed(len(self.train_dataset))
+            return super()._get_train_sampler(train_dataset)
+
+    own = baton_trainer(OwnOrder)
+    refused = own(model=_model(), args=_args(tmp_path, seed=99), train_dataset=_Tokens())
+    with pytest.raises(IntegrationError, match=r"chooses a .*Reversed"):
+        refused.train()
+    # handing back the Trainer's own random order is what Baton replaces: accepted
+    plain = own(
+        model=_model(), args=_args(tmp_path, max_steps=1, save_steps=1), train_dataset=_Tokens()
+    )
+    plain.train()
+    assert not plain.preempted
 
 
 def test_a_resume_with_another_batch_size_is_refused_and_names_the_settings(

@@ -43,6 +43,7 @@ from baton_testing.operator_harness import (
     OperatorInstall,
     PodWatcher,
     api_errors,
+    next_attempt,
     operator_process,
     poll,
     unique,
@@ -181,10 +182,7 @@ def test_a_60s_api_server_outage_at_checkpointing(standalone: Baton) -> None:
     assert lasted, degraded
     assert int(lasted.group(1)) >= OUTAGE_S - 10, degraded
 
-    def restarted(s: dict[str, Any]) -> bool:
-        return int(str(s.get("attempt", 0))) >= 1 and s.get("phase") in ("Pending", "Running")
-
-    at_restart = baton.wait_for(job, restarted, timeout=240, what="the next attempt")
+    at_restart = baton.wait_for(job, next_attempt, timeout=240, what="the next attempt")
     diag = baton.diagnostics(job)
     last = at_restart.get("lastCheckpoint") or {}
     assert last.get("step") is not None, f"no committed step known at the restart{diag}"

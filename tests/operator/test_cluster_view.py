@@ -10,7 +10,7 @@ import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator import handlers
+from baton_operator import handlers, nodes
 from baton_operator.controller import ClusterView, JobMemory
 from baton_operator.kube import Kube
 from baton_operator.metrics import Health, Metrics
@@ -201,3 +201,30 @@ def test_only_an_outage_long_enough_to_hide_a_deletion_lists_the_nodes() -> None
     health.ok()
     health.ok()
     assert lasted == [12.5], "called once, with the outage's length"
+
+
+def test_deleted_nodes_are_remembered_for_an_hour_not_for_the_operators_life() -> None:
+    """Every deleted node's name was kept for the operator's whole life (issue 25): on a spot
+    cluster names are deleted all day and never come back. A deletion is remembered as long
+    as pods may still name the node, then dropped."""
+    view = ClusterView(config=OperatorConfig())
+    every = timedelta(seconds=30)
+    deletions = 10 * 24 * 120  # ten days of a spot node deleted every 30 s
+    for i in range(deletions):
+        when = T0 + i * every
+        view.update_node(node(f"spot-{i}"), now=when)
+        view.remove_node(f"spot-{i}", now=when)
+        assert len(view.deleted) <= nodes.DELETED_KEPT / every + 1
+    last = T0 + (deletions - 1) * every
+    assert len(view.deleted) == nodes.DELETED_KEPT / every
+    assert not view.nodes
+    # Within the hour, a pod on a deleted node is lost; after it the name is unknown, as to
+    # an operator started since (its overdue deletion makes the operator look the node up).
+    assert view.node_lost(f"spot-{deletions - 1}", now=last + nodes.DELETED_KEPT / 2)
+    assert not view.node_lost(f"spot-{deletions - 1}", now=last + nodes.DELETED_KEPT)
+    assert not view.node_lost("spot-0", now=last)
+    # A name that comes back is a live node again, and its new deletion is remembered anew.
+    view.update_node(node("spot-0"), now=last)
+    assert not view.node_lost("spot-0", now=last)
+    assert view.sweep(set(), now=last + every) == ["spot-0"]
+    assert view.node_lost("spot-0", now=last + every)

@@ -16,6 +16,7 @@ from baton_operator.lifecycle import VerdictKind
 from baton_operator.metrics import Metrics
 from baton_operator.model import LastCheckpoint
 from baton_operator.reports import SidecarStatus
+from baton_operator.vocabulary import Tier
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -96,7 +97,7 @@ def _key(tier: str) -> tuple[str, tuple[tuple[str, str], ...]]:
 def test_checkpoints_are_counted_per_tier_with_a_bounded_label() -> None:
     m = Metrics()
     m.job_running("ns", "a", failures_left=3, last_checkpoint=0.0)
-    assert all(_samples(m)[_key(t)] == 0 for t in reports.TIERS)  # seeded at 0
+    assert all(_samples(m)[_key(t)] == 0 for t in Tier)  # seeded at 0
     m.checkpoint_committed("ns", "a", "durable")
     m.checkpoint_committed("ns", "a", None)  # an SDK before tiers: durable
     m.checkpoint_committed("ns", "a", "memory+promoted")

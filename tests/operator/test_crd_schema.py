@@ -15,6 +15,8 @@ import pytest
 from baton_operator import crd
 from celpy.adapter import json_to_cel
 
+from trainer_sdk._config import CheckpointerConfig
+
 
 def _schema() -> dict[str, Any]:
     version = crd.crd_manifest()["spec"]["versions"][0]
@@ -205,17 +207,21 @@ def test_schema_is_structural_and_explained() -> None:
         if preserve:
             assert node["type"] == "object"
     spec = _schema()["properties"]["spec"]
-    assert set(spec["required"]) == {"replicas", "template", "checkpoint"}
+    # Required through CEL (crd._required), not the schema: see the test below.
+    assert "required" not in spec
 
 
 def test_every_rule_has_a_message_and_a_field_path() -> None:
     rules = _rules(_schema())
     # The security policy's rules (podpolicy.forbid_in_schema; tests/operator/test_pod_policy.py):
-    # 6 on the pod spec and 4 on each container list.
+    # 1 on the template's AppArmor annotations; 7 on the pod spec and 9 on its security
+    # context; on each container list 13 on the security context, 1 hostPort, 10 probe and
+    # hook hosts.
     policy = [r for _, r in rules if r["message"].endswith("(docs/operator.md, Security policy)")]
-    assert len(policy) == 14
+    assert len(policy) == 1 + 7 + 9 + 2 * (13 + 1 + 10)
     rules = [(p, r) for p, r in rules if r not in policy]
-    assert len(rules) == 15  # 3 immutability + 5 spec + 1 template + 6 checkpoint
+    # 2 name + 3 immutability + 3 required + 5 spec + 1 template + 7 checkpoint (1 required)
+    assert len(rules) == 21
     for path, rule in rules:
         assert rule["message"], f"rule at {path} has no message"
         assert rule["fieldPath"].startswith("."), f"rule at {path} has no fieldPath"
@@ -285,6 +291,96 @@ def test_names_columns_and_subresources() -> None:
     assert columns["Preemptions"] == ".status.preemptions"
     assert columns["Failures"] == ".status.failures"
     assert columns["Age"] == ".metadata.creationTimestamp"
+    assert columns["Step"] == ".status.goodput.step"
+    assert columns["Reason"] == ".status.reason"
+    assert columns["Message"] == ".status.message"
+    priority = {c["name"]: c.get("priority", 0) for c in version["additionalPrinterColumns"]}
+    assert (priority["Step"], priority["Reason"], priority["Message"]) == (0, 0, 1)
+    assert "reason" in _schema()["properties"]["status"]["properties"]
+
+
+def test_explain_says_what_int_or_string_fields_take_and_the_defaults_applied_in_code() -> None:
+    ckpt = _schema()["properties"]["spec"]["properties"]["checkpoint"]["properties"]
+    assert ckpt["everySeconds"]["description"].startswith(
+        "A number of seconds or the string `auto`"
+    )
+    sdk_default = CheckpointerConfig.__dataclass_fields__["keep_last"].default
+    assert f"Default: {sdk_default} " in ckpt["keepLast"]["description"]
+    # No schema default: `kubectl describe` of a job without the memory tier would show
+    # `Fast Replicas: 1`; the operator applies the 1 when the tier is on (model.py).
+    assert "default" not in ckpt["fastReplicas"]
+    assert "Default: 1 when the memory tier is on" in ckpt["fastReplicas"]["description"]
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        (("replicas",), "spec.replicas"),
+        (("template",), "spec.template"),
+        (("checkpoint",), "spec.checkpoint"),
+        (("checkpoint", "uri"), "spec.checkpoint.uri"),
+        (("template", "spec"), "spec.template.spec.containers"),
+        (("template", "spec", "containers"), "spec.template.spec.containers"),
+    ],
+)
+def test_a_missing_required_field_is_one_message_naming_it(
+    path: tuple[str, ...], field: str
+) -> None:
+    """Required through CEL: a schema `required` makes the API server skip every CEL rule and
+    add a line of its own ("<nil>: Invalid value: null: some validation rules were not
+    checked"); test_admission_cluster.py checks the API server's own words."""
+    job = valid_job()
+    job["spec"].pop("minReplicas")
+    node = job["spec"]
+    for part in path[:-1]:
+        node = node[part]
+    del node[path[-1]]
+    messages = _violations(job)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(field), messages
+
+
+def test_transition_rules_leave_an_absent_field_to_the_rule_that_requires_it() -> None:
+    old = valid_job()
+    old["status"] = {"phase": "Running"}
+    new = copy.deepcopy(old)
+    del new["spec"]["checkpoint"]
+    assert _violations(new, old) == [
+        "spec.checkpoint is required: at least its uri, e.g. s3://bucket/prefix"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("my.job", "DNS-1035"),
+        ("My-job", "DNS-1035"),
+        ("1job", "DNS-1035"),
+        ("job-", "DNS-1035"),
+        ("my_job", "DNS-1035"),
+        ("j" * 64, "at most 63 characters"),
+    ],
+)
+def test_a_name_that_is_not_a_dns_label_is_refused_naming_the_fix(name: str, why: str) -> None:
+    job = valid_job()
+    job["metadata"]["name"] = name
+    messages = _violations(job)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("metadata.name must")
+    assert why in messages[0]
+    assert "rename" in messages[0] or "shorter name" in messages[0]
+
+
+@pytest.mark.parametrize("name", ["a", "my-job", "j" * 63, "job-" + "x" * 53])
+def test_dns_label_names_up_to_63_characters_are_admitted(name: str) -> None:
+    job = valid_job()
+    job["metadata"]["name"] = name
+    assert _violations(job) == []
+
+
+def test_master_port_is_bounded_to_a_tcp_port() -> None:
+    port = _schema()["properties"]["spec"]["properties"]["masterPort"]
+    assert (port["minimum"], port["maximum"], port["default"]) == (1, 65535, 29500)
 
 
 def test_crd_manifest_is_a_fresh_copy() -> None:

@@ -173,6 +173,19 @@ def test_job_status_parses_the_body() -> None:
     assert JobStatus.from_body({}).phase is None
 
 
+def test_a_true_conditions_reason_is_the_jobs_reason_column() -> None:
+    """``status.reason`` (the REASON column of ``kubectl get trainingjobs``) is the reason of
+    the condition last set true; a false one leaves it alone."""
+    running = JobStatus(phase=Phase.RUNNING)
+    patch = StatusPatch(running, now=NOW, generation=1).phase(Phase.FAILED)
+    patch.condition("Failed", True, "PodTemplateRefused", "no").condition(
+        "Ready", False, "Failed", "not ready"
+    )
+    assert patch.render()["reason"] == "PodTemplateRefused"
+    quiet = StatusPatch(running, now=NOW, generation=1).condition("Degraded", False, "Ok", "")
+    assert "reason" not in quiet.render()
+
+
 def test_every_phase_change_is_checked() -> None:
     ready = {"type": "Ready", "status": "True", "lastTransitionTime": "t0"}
     running = JobStatus(phase=Phase.RUNNING, conditions=(ready,))

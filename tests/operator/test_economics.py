@@ -42,6 +42,32 @@ def test_progress_is_the_newest_step_any_rank_reported_and_the_median_step_time(
     assert economics.progress([SidecarStatus(state="idle")]) == Progress()
 
 
+def test_a_committed_save_proves_its_step_though_the_train_step_beat_is_older() -> None:
+    # The SDK writes train_step at most every few seconds; a rank that stopped after its
+    # notice save of step 10 last beat at step 2. Its progress is step 10, not 2.
+    stopped = SidecarStatus(
+        state="committed", step=10, trigger="signal", train_step=2, last_committed_step=10,
+        heartbeat=T0,
+    )  # fmt: skip
+    assert (economics.progress([stopped]).step, economics.progress([stopped]).at) == (10, T0)
+    # A new attempt's idle report names the step it restored, which is not a step trained.
+    restored = SidecarStatus(state="idle", last_committed_step=10, restored_step=10)
+    assert economics.progress([restored]).step is None
+
+
+def test_an_eviction_save_gives_its_own_notice_time_and_durability() -> None:
+    # The ranks saved step 10 on a SIGTERM that no operator saw: the commit's heartbeat is when
+    # it became durable, and its seconds (counted by the SDK from the notice) say when the
+    # notice came.
+    saved = SidecarStatus(state="committed", step=10, trigger="signal", seconds=1.5, heartbeat=T0)
+    cause = economics.eviction_cause(("n1",), [SidecarStatus(state="idle"), saved], 10)
+    assert (cause.source, cause.nodes) == ("eviction", ("n1",))
+    assert (cause.notice_at, cause.durable_at) == (T0 - timedelta(seconds=1.5), T0)
+    # Another step's commit says nothing about this one.
+    assert economics.eviction_cause((), [saved], 9).notice_at is None
+    assert economics.eviction_cause((), [], None).durable_at is None
+
+
 def test_gpus_are_the_pods_integer_gpu_requests() -> None:
     gpu = "nvidia.com/gpu"
     pods = [

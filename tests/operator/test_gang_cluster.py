@@ -80,11 +80,19 @@ def test_a_gang_job_binds_no_pod_until_every_rank_fits_then_trains_bitwise(
     assert applied.returncode == 0, applied.stderr
     watcher = PodWatcher(baton, job)
 
-    # The scheduler's verdict on the whole gang, with both ranks created.
+    # The scheduler's verdict on the whole gang, with both ranks created. The operator records
+    # masterAddr after its last pod create, so the scheduler may judge the gang before that
+    # status write lands: wait for both, in either order.
+    master = f"{job}-a0-r0.{job}.{NAMESPACE}.svc.cluster.local"
     baton.wait_for(
-        job, lambda _: _unschedulable(_pod_group(baton, group_name)) is not None, timeout=180,
-        what="the scheduler to find the job's PodGroup unschedulable",
-    )  # fmt: skip
+        job,
+        lambda status: (
+            _unschedulable(_pod_group(baton, group_name)) is not None
+            and status.get("masterAddr") == master
+        ),
+        timeout=180,
+        what="the scheduler to find the job's PodGroup unschedulable, and masterAddr recorded",
+    )
     group = _pod_group(baton, group_name)
     assert group is not None
     message = _unschedulable(group)
@@ -93,7 +101,6 @@ def test_a_gang_job_binds_no_pod_until_every_rank_fits_then_trains_bitwise(
     assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": REPLICAS}}
     owner = group["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("TrainingJob", job)
-    master = f"{job}-a0-r0.{job}.{NAMESPACE}.svc.cluster.local"
     assert baton.status(job)["masterAddr"] == master
 
     ref_result, ref_logs = trainer.reference(

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from baton_testing import trainer
-from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, unique
+from baton_testing.operator_harness import NAMESPACE, Baton, PodWatcher, next_attempt, unique
 
 pytestmark = pytest.mark.cluster
 # One operator process for all of this module's tests (baton_testing.operator_fixtures: an
@@ -111,6 +111,12 @@ def test_rejected_template_fails_once_with_the_field_and_integer_gpus_run(baton:
     assert "spec.template.spec.containers[0].resources.requests" in rejected[0]["message"]
     assert baton.pods(bad) == []
     assert baton.status(bad)["phase"] == "Failed"
+    # Nothing of the failed job runs again, so its headless Service went too; the job that
+    # Succeeded keeps its own (with its finished pods) until it is deleted.
+    services = baton.kubectl_json("get", "services", "-n", NAMESPACE, "-l", f"baton.dev/job={bad}")
+    assert services["items"] == [], [s["metadata"]["name"] for s in services["items"]]
+    kept = baton.kubectl_json("get", "services", "-n", NAMESPACE, "-l", f"baton.dev/job={good}")
+    assert [s["metadata"]["name"] for s in kept["items"]] == [good]
     baton.delete(bad)
     baton.delete(good)
 
@@ -175,10 +181,7 @@ def test_torchrun_2x2_gpus_survives_a_spot_notice_bitwise(baton: Baton, tmp_path
     node = baton.node_of(job, 1)
     baton.cluster.preempt(node, provider="aws", grace_s=40)
 
-    def restarted(s: dict[str, Any]) -> bool:
-        return int(s.get("attempt", 0)) >= 1 and s.get("phase") in ("Pending", "Running")
-
-    at_restart = baton.wait_for(job, restarted, timeout=180, what="the next attempt")
+    at_restart = baton.wait_for(job, next_attempt, timeout=180, what="the next attempt")
     diag = baton.diagnostics(job)
     last = at_restart.get("lastCheckpoint") or {}
     assert last.get("trigger") == "notice", f"the restart did not follow a notice save{diag}"

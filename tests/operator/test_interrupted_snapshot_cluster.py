@@ -96,6 +96,30 @@ def _committed_steps(memory: Path) -> list[int]:
     return [int(m.parent.name.split("-")[1]) for m in memory.glob("step-*/manifest.json")]
 
 
+def _being_written(memory: Path, *, after: int) -> Path | None:
+    """The directory of a snapshot the pod's trainer is writing now: files but no manifest,
+    and newer than a snapshot it committed itself after step ``after``.
+
+    Not every directory without a manifest is a write: after a restore the SDK deletes the
+    snapshots other than the restored one, and retention deletes older ones, and a directory
+    being deleted has lost its manifest too, or vanishes under the scan (the fresh-clone run
+    at 9c3ecfa failed so: FileNotFoundError on a step-10 the restore's clean-up deleted).
+    Both only ever delete steps at or below the newest committed one; a write is above it."""
+    committed = [step for step in _committed_steps(memory) if step > after]
+    if not committed:
+        return None  # the pod has not committed a snapshot of its own since the restore
+    newest = max(committed)
+    for d in memory.glob("step-*"):
+        if int(d.name.split("-")[1]) <= newest:
+            continue
+        try:
+            if not (d / "manifest.json").exists() and any(d.iterdir()):
+                return d
+        except FileNotFoundError:
+            continue  # deleted under the scan
+    return None
+
+
 def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
     baton: Baton, tmp_path: Path
 ) -> None:
@@ -185,24 +209,20 @@ def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
     writing: list[int] = []
 
     def freeze_mid_write() -> bool:
-        """Freeze rank 1's trainer while a snapshot directory newer than s has files but no
-        manifest (a write takes milliseconds here: look often)."""
+        """Freeze rank 1's trainer while it writes a snapshot newer than s (files but no
+        manifest yet; a write takes milliseconds here: look often)."""
         until = time.monotonic() + 1.0
         while time.monotonic() < until:
-            partial = [
-                d for d in mem.glob("step-*")
-                if int(d.name.split("-")[1]) > s and not (d / "manifest.json").exists()
-                and any(d.iterdir())
-            ]  # fmt: skip
-            if partial:
+            partial = _being_written(mem, after=s)
+            if partial is not None:
                 pids = _trainer_pids(baton.cluster, replacement)
                 for p in pids:
                     os.kill(p, signal.SIGSTOP)
-                if (partial[0] / "manifest.json").exists():
+                if (partial / "manifest.json").exists():
                     for p in pids:
                         os.kill(p, signal.SIGCONT)  # finished meanwhile: catch the next one
                     continue
-                writing.append(int(partial[0].name.split("-")[1]))
+                writing.append(int(partial.name.split("-")[1]))
                 return True
             time.sleep(0.001)
         return False

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from baton_operator import faults
 from baton_operator.leader import LeaderElector, LeadershipLostError, LeaseClient, LeaseTimings
+from baton_operator.metrics import Health
 from baton_testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
@@ -185,3 +188,59 @@ def test_a_renewal_is_one_request_and_a_conflict_still_reads_the_lease(
     assert CountingClient.reads == 2
     spec = _holder(lease)
     assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("a", 0)
+
+
+def test_whichever_replica_leads_after_an_api_outage_knows_when_it_began(
+    lease: tuple[LocalCluster, str, str],
+) -> None:
+    """The API server stops while "a" holds the Lease (issue 31, section 3). "a" exits for its
+    Lease; its restart (a fresh process, same identity) and the standby "b" both wait through
+    the outage, failing /healthz. Whichever takes the Lease afterwards knows the outage's
+    start, though the restarted one never saw it begin: it survives in the Lease."""
+    cluster, namespace, name = lease
+    # A fresh cluster's controller-manager exits if the API server goes while it starts.
+    cluster.wait_controller_manager()
+    down = [False]
+    a = _elector(lease, "a")
+    b_health, a2_health = Health(grace_seconds=0.0), Health(grace_seconds=0.0)
+
+    def elector(identity: str, health: Health) -> LeaderElector:
+        client = LeaseClient(cluster.api, namespace=namespace, name=name, timeout=2.0)
+        return LeaderElector(client, identity=identity, timings=TIMINGS, health=health)
+
+    b = elector("b", b_health)
+
+    async def run() -> tuple[datetime, LeaderElector, Health]:
+        assert await a.try_acquire_or_renew()
+        assert not await b.try_acquire_or_renew()
+        standby = asyncio.create_task(b.acquire())
+        stopped = datetime.now(tz=UTC)
+        down[0] = True
+        await asyncio.to_thread(cluster.stop_apiserver)
+        a2 = elector("a", a2_health)  # "a" restarted after exiting for its Lease
+        restarted = asyncio.create_task(a2.acquire())
+        while b_health.problem() is None or a2_health.problem() is None:
+            await asyncio.sleep(0.25)
+        assert "Lease" in (b_health.problem() or ""), "a standby's /healthz names its cause"
+        await asyncio.to_thread(cluster.start_apiserver, wait_controllers=False)
+        down[0] = False
+        done, pending = await asyncio.wait(
+            {standby, restarted}, return_when=asyncio.FIRST_COMPLETED, timeout=120
+        )
+        assert done, "nobody took the Lease after the outage"
+        for task in pending:
+            task.cancel()
+        winner = b if standby in done else a2
+        return stopped, winner, (b_health if winner is b else a2_health)
+
+    try:
+        stopped, winner, health = asyncio.run(run())
+    finally:
+        if down[0]:
+            cluster.start_apiserver(wait_controllers=False)  # the shared cluster stays usable
+        cluster.wait_controller_manager()
+    outage = faults.outage_after_takeover(health.last_outage, winner.previous_renew)
+    assert outage is not None, (winner.identity, health.last_outage, winner.previous_renew)
+    print(f"{winner.identity} leads; outage recorded from {outage.began} for {outage.seconds:.1f}s")
+    assert outage.began <= stopped, "the record starts no later than the outage did"
+    assert "Lease" in outage.last_error

@@ -34,17 +34,25 @@ def test_two_replicas_run_to_succeeded_and_columns_say_so(baton: Baton) -> None:
     assert baton.loss_steps(job) == list(range(1, 21))
     out = baton.cluster.kubectl("get", "trainingjobs", "-n", NAMESPACE, job).stdout
     header, row = out.splitlines()[:2]
-    assert header.split() == [
+    names = header.split()
+    assert names == [
         "NAME",
         "PHASE",
         "WORLD",
         "CHECKPOINT",
+        "STEP",
         "PREEMPTIONS",
         "FAILURES",
+        "REASON",
         "AGE",
     ]
-    assert row.split()[:3] == [job, "Succeeded", "2"]
-    assert row.split()[4:6] == ["0", "0"]
+    # Cut the row at the header's column starts: an empty cell would shift a split().
+    starts = [header.index(n) for n in names] + [len(row) + 1]
+    cells = {n: row[a:b].strip() for n, a, b in zip(names, starts, starts[1:], strict=False)}
+    assert (cells["NAME"], cells["PHASE"], cells["WORLD"]) == (job, "Succeeded", "2")
+    assert (cells["PREEMPTIONS"], cells["FAILURES"]) == ("0", "0")
+    assert cells["REASON"] == "Succeeded"
+    assert cells["STEP"].isdigit(), cells  # the last step reported while it ran
     conditions = {c["type"]: c for c in final["conditions"]}
     assert conditions["Succeeded"]["status"] == "True"
     assert "finished training" in conditions["Succeeded"]["message"]

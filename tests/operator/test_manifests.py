@@ -266,6 +266,35 @@ def test_restricted_security_on_every_container() -> None:
     assert pod["spec"]["automountServiceAccountToken"] is False
 
 
+def test_restricted_settings_fill_in_what_is_unset_and_rewrite_nothing() -> None:
+    """The template's own allowed values stay as written (podpolicy.py refused every value
+    that contradicts restricted); only unset fields get restricted's value."""
+    job = spec()
+    template = copy.deepcopy(dict(job.template))
+    localhost = {"type": "Localhost", "localhostProfile": "profiles/train.json"}
+    template["spec"]["securityContext"] = {"seccompProfile": localhost, "runAsNonRoot": True}
+    template["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["NET_BIND_SERVICE"]},
+        "seccompProfile": localhost,
+        "allowPrivilegeEscalation": False,
+    }
+    template["spec"]["containers"][1]["securityContext"] = {
+        "capabilities": {"drop": ["ALL", "NET_RAW"]}
+    }
+    pod = manifests.pod_manifest(
+        replace(job, template=template), CONFIG, attempt=0, rank=0, replicas=2,
+        master_addr=None, resume_step=None,
+    )  # fmt: skip
+    assert pod["spec"]["securityContext"]["seccompProfile"] == localhost
+    ctx = trainer(pod)["securityContext"]
+    assert ctx["seccompProfile"] == localhost
+    assert ctx["capabilities"] == {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]}
+    assert ctx["runAsNonRoot"] is True
+    logger = pod["spec"]["containers"][1]["securityContext"]
+    assert logger["capabilities"] == {"drop": ["ALL", "NET_RAW"]}
+    assert logger["allowPrivilegeEscalation"] is False
+
+
 def test_affinity_avoids_noticed_nodes_in_every_term_and_spreads_ranks() -> None:
     pod = build(avoid_nodes=["n2", "n1", "n2"])
     terms = pod["spec"]["affinity"]["nodeAffinity"][
@@ -298,13 +327,15 @@ def test_no_avoided_nodes_adds_no_node_affinity() -> None:
     assert "nodeAffinity" not in pod["spec"]["affinity"]
 
 
-def test_tolerations_pass_through_and_node_loss_is_noticed_quickly() -> None:
+def test_tolerations_pass_through_and_only_the_operator_removes_a_lost_nodes_pods() -> None:
+    """Unreachable and not-ready are tolerated without end: the taint manager's timed
+    eviction deletes by name and hit the operator's same-named replacement (#26)."""
     tolerations = build()["spec"]["tolerations"]
     assert {"key": "gpu", "operator": "Exists"} in tolerations
     lost = {t["key"]: t for t in tolerations if t.get("effect") == "NoExecute"}
     assert set(lost) == {"node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"}
     for t in lost.values():
-        assert t["tolerationSeconds"] == CONFIG.node_lost_seconds
+        assert t == {"key": t["key"], "operator": "Exists", "effect": "NoExecute"}
 
 
 def test_template_without_trainer_is_refused() -> None:

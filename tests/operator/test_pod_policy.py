@@ -2,103 +2,40 @@
 check (podpolicy.refusals) and, where a schema can say it, by the CRD's CEL rules at admission.
 
 The CEL rules are evaluated here with cel-python on every object node they apply to (array items
-included); ``test_pod_policy_cluster.py`` checks that the API server and the operator refuse
+included); ``test_security_cluster.py`` checks that the API server refuses
 the same templates on the local cluster.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import celpy
 import pytest
 from baton_operator import crd, podpolicy
 from baton_operator.podpolicy import PodPolicy
+from baton_testing.escalations import (
+    ALLOWED,
+    CONTAINER_KINDS,
+    CONTAINER_ONLY,
+    CONTEXT_FIELDS,
+    ESCALATIONS,
+    REFUSED_VOLUMES,
+    P,
+    plain_template,
+)
 from celpy.adapter import json_to_cel
 
 
-def _template() -> dict[str, Any]:
-    return {
-        "metadata": {"labels": {"team": "ml"}},
-        "spec": {
-            "serviceAccountName": "default",
-            "securityContext": {"runAsUser": 1000, "fsGroup": 1000},
-            "volumes": [{"name": "scratch", "emptyDir": {}}],
-            "initContainers": [{"name": "fetch", "image": "x", "securityContext": {}}],
-            "containers": [
-                {
-                    "name": "trainer",
-                    "image": "x",
-                    "ports": [{"containerPort": 29500}],
-                    "securityContext": {"runAsUser": 1000, "capabilities": {"drop": ["ALL"]}},
-                }
-            ],
-        },
-    }
-
-
-def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def apply(t: dict[str, Any]) -> None:
-        node: Any = t["spec"]
-        parts = path.split(".")
-        for part in parts[:-1]:
-            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
-        last = parts[-1]
-        if last.isdigit():
-            node.append(value)
-        else:
-            node[last] = value
-
-    return apply
-
-
-# (what a user writes, the field both checks must name)
-ESCALATIONS = {
-    "hostNetwork": (_set("hostNetwork", True), "spec.template.spec.hostNetwork"),
-    "hostPID": (_set("hostPID", True), "spec.template.spec.hostPID"),
-    "hostIPC": (_set("hostIPC", True), "spec.template.spec.hostIPC"),
-    "hostPath": (
-        _set("volumes.1", {"name": "root", "hostPath": {"path": "/"}}),
-        "spec.template.spec.volumes[1].hostPath",
-    ),
-    "nodeName": (_set("nodeName", "spot-1"), "spec.template.spec.nodeName"),
-    "pod runAsUser 0": (
-        _set("securityContext.runAsUser", 0),
-        "spec.template.spec.securityContext.runAsUser",
-    ),
-    "container runAsUser 0": (
-        _set("containers.0.securityContext.runAsUser", 0),
-        "spec.template.spec.containers[0].securityContext.runAsUser",
-    ),
-    "privileged": (
-        _set("containers.0.securityContext.privileged", True),
-        "spec.template.spec.containers[0].securityContext.privileged",
-    ),
-    "init privileged": (
-        _set("initContainers.0.securityContext.privileged", True),
-        "spec.template.spec.initContainers[0].securityContext.privileged",
-    ),
-    "capabilities.add": (
-        _set("containers.0.securityContext.capabilities.add", ["SYS_ADMIN"]),
-        "spec.template.spec.containers[0].securityContext.capabilities.add",
-    ),
-    "hostPort": (
-        _set("containers.0.ports.1", {"containerPort": 22, "hostPort": 22}),
-        "spec.template.spec.containers[0].ports[1].hostPort",
-    ),
-}
-
-
 def test_a_plain_template_is_allowed() -> None:
-    assert podpolicy.refusals(_template(), PodPolicy()) == []
+    assert podpolicy.refusals(plain_template(), PodPolicy()) == []
 
 
 @pytest.mark.parametrize("case", sorted(ESCALATIONS))
 def test_the_operator_refuses_each_escalation_naming_the_field(case: str) -> None:
-    mutate, field = ESCALATIONS[case]
-    template = _template()
+    mutate, field, _ = ESCALATIONS[case]
+    template = plain_template()
     mutate(template)
     (refusal,) = podpolicy.refusals(template, PodPolicy())
     assert refusal.field == field
@@ -108,28 +45,52 @@ def test_the_operator_refuses_each_escalation_naming_the_field(case: str) -> Non
 
 
 def test_every_escalation_at_once_is_refused_field_by_field() -> None:
-    template = _template()
-    for mutate, _ in ESCALATIONS.values():
+    template = plain_template()
+    # One volume and one probe handler per container at a time (each case sets the whole list).
+    cases = {k: v for k, v in ESCALATIONS.items() if not k.startswith("volume ")}
+    cases = {k: v for k, v in cases.items() if not k.endswith(".host")}
+    for mutate, _, _ in cases.values():
         mutate(template)
     template["spec"]["serviceAccountName"] = "kube-admin"
     found = {r.field for r in podpolicy.refusals(template, PodPolicy())}
-    assert found == {f for _, f in ESCALATIONS.values()} | {"spec.template.spec.serviceAccountName"}
+    assert found == {f for _, f, _ in cases.values()} | {f"{P}.serviceAccountName"}
 
 
 def test_false_and_empty_values_are_not_escalations() -> None:
-    template = _template()
+    template = plain_template()
     spec = template["spec"]
     spec.update(hostNetwork=False, hostPID=False, hostIPC=False, nodeName="")
     spec["containers"][0]["securityContext"].update(privileged=False)
     spec["containers"][0]["securityContext"]["capabilities"]["add"] = []
     spec["containers"][0]["ports"].append({"containerPort": 1, "hostPort": 0})
+    spec["containers"][0]["livenessProbe"] = {"httpGet": {"host": "", "port": 80}}
+    spec["ephemeralContainers"] = []
     assert podpolicy.refusals(template, PodPolicy()) == []
     assert _cel_violations(_job(template)) == []
 
 
+@pytest.mark.parametrize("case", sorted(ALLOWED))
+def test_what_restricted_allows_passes_both_checks(case: str) -> None:
+    template = plain_template()
+    ALLOWED[case](template)
+    assert podpolicy.refusals(template, PodPolicy()) == []
+    assert _cel_violations(_job(template)) == []
+
+
+def test_the_policy_covers_every_pod_security_check() -> None:
+    """Each PSA baseline/restricted check has cases here, in every container kind."""
+    for kind in CONTAINER_KINDS:
+        for field in (*CONTEXT_FIELDS, *CONTAINER_ONLY, "hostPort"):
+            assert f"{kind} {field}" in ESCALATIONS, (kind, field)
+    for field in CONTEXT_FIELDS:
+        assert f"pod {field}" in ESCALATIONS
+    assert {f"volume {v}" for v in REFUSED_VOLUMES} <= set(ESCALATIONS)
+    assert len(ESCALATIONS) > 100
+
+
 @pytest.mark.parametrize("key", ["serviceAccountName", "serviceAccount"])
 def test_service_accounts_outside_the_allow_list_are_refused(key: str) -> None:
-    template = _template()
+    template = plain_template()
     template["spec"].pop("serviceAccountName")
     template["spec"][key] = "ci-deployer"
     (refusal,) = podpolicy.refusals(template, PodPolicy())
@@ -188,17 +149,17 @@ def _cel_violations(job: dict[str, Any]) -> list[str]:
 
 
 def test_cel_accepts_a_plain_template() -> None:
-    assert _cel_violations(_job(_template())) == []
+    assert _cel_violations(_job(plain_template())) == []
 
 
 @pytest.mark.parametrize("case", sorted(ESCALATIONS))
 def test_cel_refuses_each_escalation_naming_the_field(case: str) -> None:
-    mutate, field = ESCALATIONS[case]
-    template = _template()
+    mutate, field, cel_field = ESCALATIONS[case]
+    template = plain_template()
     mutate(template)
     (message,) = _cel_violations(_job(template))
     # CEL messages name the list, not the index (one rule serves every item).
-    generic = field.replace("[0]", "[]").replace("[1]", "[]")
+    generic = cel_field or field.replace("[0]", "[]").replace("[1]", "[]")
     assert message.startswith(f"{generic} is not allowed"), message
     assert "Security policy" in message
 
@@ -218,6 +179,6 @@ def test_cel_rules_have_field_paths_and_bounded_lists() -> None:
 
 def test_the_schema_does_not_reject_what_the_operator_allows() -> None:
     # A service account is the operator's configuration, not the schema's.
-    template = copy.deepcopy(_template())
+    template = copy.deepcopy(plain_template())
     template["spec"]["serviceAccountName"] = "ci-deployer"
     assert _cel_violations(_job(template)) == []

@@ -19,7 +19,8 @@ WORKLOAD = [
      "verbs": ["create", "delete", "list", "patch", "watch"]},
     # create only: the operator never reads a job's Secret back (tokens.py).
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
+    # get, delete: a Failed job's headless Service, only when the job owns it (creating.py).
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete", "get"]},
     {"apiGroups": ["baton.dev"], "resources": ["trainingjobs"],
      "verbs": ["get", "list", "patch", "watch"]},
     {"apiGroups": ["baton.dev"], "resources": ["trainingjobs/status"], "verbs": ["patch"]},

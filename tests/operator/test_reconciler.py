@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -23,6 +24,8 @@ from baton_operator.controller import ClusterView, JobMemory, Reconciler
 from baton_operator.disruption import DELETION_COST
 from baton_operator.errors import KubeConflictError, KubeError, SidecarUnreachableError
 from baton_operator.metrics import Metrics
+from baton_operator.model import JobSpec
+from baton_operator.pods import PodView
 from baton_operator.reports import SidecarStatus
 from baton_operator.settings import OperatorConfig
 from prometheus_client import CollectorRegistry
@@ -63,6 +66,8 @@ class FakeKube:
         self.pod_groups: dict[str, dict[str, Any]] | None = None
         """The PodGroups that exist; None: the API server does not serve the API."""
         self.deleted_groups: list[str] = []
+        self.services: dict[str, dict[str, Any]] = {}
+        """The Services that exist, by name."""
         self.discoveries = 0
         self.nodes: set[str] = set()
         """The Nodes that exist (Harness.node adds them; a test deletes one unseen)."""
@@ -142,6 +147,18 @@ class FakeKube:
         _merge(pod["metadata"].setdefault("annotations", {}), annotations)
 
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
+        name = body["metadata"]["name"]
+        if name in self.services:
+            return False
+        self.services[name] = copy.deepcopy(body)
+        return True
+
+    async def delete_owned_service(self, namespace: str, name: str, owner_uid: str) -> bool:
+        service = self.services.get(name)
+        owners = (service or {}).get("metadata", {}).get("ownerReferences") or []
+        if not any(o["uid"] == owner_uid for o in owners):
+            return False
+        del self.services[name]
         return True
 
     async def serves(self, group_version: str, plural: str) -> bool:
@@ -414,6 +431,29 @@ def test_a_failed_save_falls_back_to_the_newest_step_any_rank_committed() -> Non
     assert "the last step known to be committed is 30" in fallback[0]
 
 
+def test_a_checkpoint_request_without_a_recorded_notice_says_why_it_was_sent() -> None:
+    # The job is Checkpointing but status.notice is empty (an edit by hand, or a status
+    # written by an older operator): the ranks are still asked, and the reason they log
+    # ("control request <id> (operator: <reason>)") says what happened, not "None: None".
+    h = Harness()
+    h.running()
+    h.kube.status["phase"] = "Checkpointing"
+    h.tick()
+    reasons = [r for _, _, r in h.sidecars.requests]
+    assert len(reasons) == REPLICAS, h.sidecars.requests
+    assert all("None" not in r for r in reasons), reasons
+    assert all("no notice" in r for r in reasons), reasons
+
+
+def test_a_partly_recorded_notice_gives_the_part_it_has_as_the_reason() -> None:
+    h = Harness()
+    h.running()
+    h.kube.status["phase"] = "Checkpointing"
+    h.kube.status["notice"] = {"reason": "maintenance window"}
+    h.tick()
+    assert [r for _, _, r in h.sidecars.requests] == ["maintenance window"] * REPLICAS
+
+
 def test_a_notice_before_the_attempt_runs_moves_it_without_asking_for_a_save() -> None:
     h = Harness()
     for i in range(REPLICAS):
@@ -498,6 +538,37 @@ def test_a_rejected_pod_fails_the_job_once_naming_the_field() -> None:
     assert [r for _, r, _ in h.events].count("PodRejected") == 1
     assert h.tick() is None, "a failed job's daemon stops: nothing is retried"
     assert h.kube.created == []
+
+
+def test_a_failed_jobs_service_is_deleted_and_a_users_service_is_kept() -> None:
+    h = Harness()
+    h.tick()
+    assert list(h.kube.services) == [JOB], "the job starts with its headless Service"
+    h.kube.create_errors.append(
+        KubeError.from_answer(
+            f"creating pod {NS}/{h.pod(0, 0)}: HTTP 422: Pod is invalid",
+            status=422,
+            fields=("spec.containers[0].image",),
+        )
+    )
+    h.tick()
+    assert h.kube.status["phase"] == "Failed"
+    assert h.tick() is None
+    assert h.kube.services == {}, "no rank of a Failed job runs again: its Service goes"
+
+    # A Service of the job's name that the job does not own (the create found it there)
+    # is the user's: the failed job leaves it alone.
+    other = Harness()
+    users = {"metadata": {"name": JOB, "namespace": NS}, "spec": {"clusterIP": "None"}}
+    other.kube.services[JOB] = users
+    other.tick()
+    other.kube.create_errors.append(
+        KubeError.from_answer(f"creating pod {NS}/x: HTTP 422: Pod is invalid", status=422)
+    )
+    other.tick()
+    assert other.kube.status["phase"] == "Failed"
+    assert other.tick() is None
+    assert other.kube.services == {JOB: users}
 
 
 def test_a_forbidden_create_is_retried_with_backoff_not_every_tick() -> None:
@@ -665,6 +736,80 @@ def test_the_status_reports_the_step_the_ranks_actually_loaded() -> None:
     assert len([r for _, r, _ in h.events if r == "ResumeStepCorrected"]) == 1, "said once"
 
 
+def test_a_new_leader_reads_a_signal_save_from_the_ended_sidecars_and_records_it_once() -> None:
+    # The active operator stopped (SIGSTOP) after it began the notice; the drain's SIGTERM made
+    # every rank save step 24 (trigger signal, no request id, so no sidecar lingered) and exit
+    # 75. The new leader has nobody to poll: each sidecar's last report is in its termination
+    # message, which the kubelet keeps in the pod's status. No false fallback, one record.
+    h = Harness()
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic"}
+    h.spot_notice("n1")
+    h.tick()
+    h.memory = JobMemory()  # the new leader remembers nothing
+    h.build()
+    beat = datetime.now(tz=UTC).isoformat()
+    final = {
+        "state": "committed", "step": 24, "trigger": "signal", "request_id": None,
+        "uri": "s3://bucket/tj/step-000000000024", "seconds": 1.25, "last_committed_step": 24,
+        "train_step": 24, "step_seconds": 0.5, "heartbeat": beat, "tier": "durable",
+    }  # fmt: skip
+    for name in list(h.kube.pods):
+        pod = h.kube.pods[name]
+        pod["status"]["phase"] = "Failed"
+        pod["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 75}}
+        pod["status"]["initContainerStatuses"] = [
+            {
+                "name": manifests.SIDECAR_NAME,
+                "state": {"terminated": {"exitCode": 0, "message": json.dumps(final)}},
+            }
+        ]
+    h.sidecars.reports.clear()
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["resumedFromStep"]) == ("Restarting", 24), status
+    assert (status["lastCheckpoint"]["step"], status["lastCheckpoint"]["trigger"]) == (
+        24,
+        "notice",
+    )
+    assert (status["preemptions"], status["failures"]) == (1, 0)
+    reasons = _reasons(h)
+    assert "CheckpointFallback" not in reasons, h.events
+    assert "CheckpointCommitted" in reasons
+    (entry,) = status["interruptions"]
+    assert (entry["lastGoodStep"], entry["resumeStep"], entry["stepsLost"]) == (24, 24, 0), entry
+    assert entry["noticeToDurableSeconds"] is not None, entry
+    h.tick()  # Pending: the new attempt resumes from the signal save, nothing to correct
+    assert _env_of(h, 1, 0)["BATON_RESUME_STEP"] == "24"
+    assert "ResumeStepCorrected" not in _reasons(h)
+
+
+def test_a_sidecar_termination_message_that_is_not_a_report_is_ignored() -> None:
+    def pod(message: str | None) -> PodView:
+        state: dict[str, Any] = {"terminated": {"exitCode": 0}}
+        if message is not None:
+            state["terminated"]["message"] = message
+        return PodView.from_body(
+            {
+                "status": {
+                    "initContainerStatuses": [{"name": manifests.SIDECAR_NAME, "state": state}]
+                }
+            }
+        )
+
+    assert pod(None).sidecar_final is None
+    assert pod("not json {").sidecar_final is None, "cut off at 4096 bytes, or an old sidecar"
+    assert pod("[1, 2]").sidecar_final is None
+    report = pod('{"state": "committed", "step": 7, "trigger": "notice"}').sidecar_final
+    assert report is not None
+    assert (report.state, report.step, report.committed_step) == ("committed", 7, 7)
+    running = PodView.from_body(
+        {"status": {"initContainerStatuses": [{"name": manifests.SIDECAR_NAME,
+                                               "state": {"running": {}}}]}}
+    )  # fmt: skip
+    assert running.sidecar_final is None
+
+
 def test_ranks_that_disagree_or_have_saved_since_claim_no_loaded_step() -> None:
     from baton_operator.reports import loaded_step
 
@@ -762,6 +907,38 @@ def test_a_node_deleted_unseen_under_an_overdue_deletion_is_lost_and_its_pod_rem
     assert sorted(h.kube.node_lookups, key=str) == ["n0", "n1", "n2"]
     h.tick()
     assert sorted(h.kube.node_lookups, key=str) == ["n0", "n1", "n2"]
+
+
+def test_the_node_lookups_under_overdue_deletions_are_not_kept_for_ever() -> None:
+    # A spot cluster: node after node goes, each under a pod whose deletion is overdue, and
+    # no name comes back. Each node is looked up (at most once per period), and a lookup
+    # older than the period is forgotten: what the operator keeps stays bounded however many
+    # nodes come and go in its life.
+    h = Harness()
+    spec = JobSpec.from_body(h.kube.job)
+    actions = h.reconciler._actions
+    start = datetime.now(tz=UTC)
+    period = timedelta(seconds=11)  # longer than the lookup period (10 s)
+    kept = []
+    for i in range(40):
+        node = f"spot-{i}"
+        h.node(node)
+        body = {
+            "metadata": {
+                "name": f"pod-{i}",
+                "uid": f"uid-{i}",
+                "labels": {},
+                "deletionTimestamp": "2026-01-01T00:00:00Z",
+            },
+            "spec": {"nodeName": node},
+            "status": {"phase": "Running"},
+        }
+        now = start + i * period
+        asyncio.run(actions.delete_pods(spec, [PodView.from_body(body)], now))
+        asyncio.run(actions.delete_pods(spec, [PodView.from_body(body)], now))
+        kept.append(len(actions._node_checked))
+    assert h.kube.node_lookups == [f"spot-{i}" for i in range(40)], "once per node and period"
+    assert max(kept) == 1, kept
 
 
 def test_the_hints_go_when_the_save_times_out_and_falls_back() -> None:
@@ -1773,3 +1950,74 @@ def test_a_second_node_lost_during_a_recovery_joins_it_while_a_survivor_remains(
     status = h.kube.status
     assert (status["phase"], status["attempt"], status["failures"]) == ("Restarting", 1, 2)
     assert "recovery" not in status
+
+
+def test_a_succeeded_job_reports_its_final_goodput_and_newest_commit() -> None:
+    """Goodput is written at the final step, not left at the last throttled write, and
+    ``lastCheckpoint`` is the newest commit a rank reported, not the periodic one polled
+    before (issue 31, section 3)."""
+    h = Harness()
+    h.running()
+    h.memory.next_progress_poll = None
+    for rank in range(REPLICAS):
+        h.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(
+            state="idle", train_step=41, step_seconds=1.0, last_committed_step=40,
+            trigger="periodic",
+        )  # fmt: skip
+    h.tick()
+    assert h.kube.status["goodput"]["step"] == 41
+    assert h.kube.status["lastCheckpoint"]["step"] == 40
+    # The ranks train on to step 80, commit it on a manual request, and finish before the
+    # next progress poll is due.
+    for rank in range(REPLICAS):
+        h.sidecars.reports[f"10.0.0.{rank + 1}"] = SidecarStatus(
+            state="committed", step=80, train_step=80, step_seconds=1.0,
+            last_committed_step=80, trigger="manual", uri="s3://bucket/tj",
+        )  # fmt: skip
+        pod = h.kube.pods[h.pod(0, rank)]
+        pod["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Succeeded", status
+    assert status["goodput"]["step"] == 80, status["goodput"]
+    assert status["lastCheckpoint"]["step"] == 80
+    assert status["lastCheckpoint"]["trigger"] == "manual"
+
+
+def test_messages_count_ranks_as_pods_times_processes_and_name_the_pods() -> None:
+    """A job of 3 pods of 2 processes each has 6 ranks: no message says "all 3 ranks"
+    (issue 31, section 3)."""
+    h = Harness()
+    h.kube.job["spec"]["procsPerReplica"] = 2
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="requested")
+    h.tick()
+    h.report_all(state="committed", step=40, trigger="notice", uri="s3://bucket/tj", seconds=1.5)
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    h.tick()  # Restarting -> Pending: rank 0
+    h.node("n3")  # in place of the noticed n1
+    h.kube.run(h.pod(1, 0), node="n0", ip="10.0.1.1")
+    h.tick()  # the other ranks
+    for rank in range(1, REPLICAS):
+        h.kube.run(h.pod(1, rank), node=("n3", "n2")[rank - 1], ip=f"10.0.1.{rank + 1}")
+    for rank in range(REPLICAS):
+        h.sidecars.reports[f"10.0.1.{rank + 1}"] = SidecarStatus(state="idle")
+    h.tick()
+    assert h.kube.status["phase"] == "Running"
+    for rank in range(REPLICAS):
+        pod = h.kube.pods[h.pod(1, rank)]
+        pod["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    h.tick()
+    assert h.kube.status["phase"] == "Succeeded"
+    texts = [message for _, _, message in h.events] + [
+        c["message"] for c in h.kube.status["conditions"]
+    ]
+    assert not [m for m in texts if "all 3 ranks" in m], texts
+    by_reason = {reason: message for _, reason, message in h.events}
+    assert by_reason["CheckpointCommitted"].startswith("all 6 ranks (3 pods) committed step 40")
+    assert "asking all 6 ranks (3 pods) to checkpoint" in by_reason["EvictionNotice"]
+    assert by_reason["Succeeded"] == "all 6 ranks (3 pods) finished training"
+    assert "all 3 pods are running" in by_reason["Running"]

@@ -24,7 +24,7 @@ import pytest
 from baton_operator import manifests
 from baton_operator.nodes import ZONE_LABEL, node_pool
 from baton_testing import trainer
-from baton_testing.operator_harness import Baton, unique
+from baton_testing.operator_harness import NAMESPACE, Baton, unique
 from kubernetes import client
 
 pytestmark = pytest.mark.cluster
@@ -63,6 +63,21 @@ def _a_snapshot_and_its_replica(baton: Baton, pods: dict[int, dict[str, Any]]) -
     ring = manifests.peer_ring(placed)
     pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
     return next((a, b) for a, b in pairs if 0 not in (a, b))
+
+
+def _taint_manager_evictions(baton: Baton, job: str) -> list[str]:
+    """The taint manager's eviction Events on the job's pods. The pods tolerate the node
+    lifecycle's NoExecute taints without end, so that only the operator removes a lost node's
+    pods: with a timed toleration the taint manager's eviction (by pod name, no UID
+    precondition) also fired after the operator had replaced the lost pod under the same name,
+    deleted the healthy replacement, and the job restarted from scratch (#26)."""
+    core = client.CoreV1Api(baton.cluster.api)
+    events = core.list_namespaced_event(NAMESPACE, field_selector="reason=TaintManagerEviction")
+    return [
+        f"{e.involved_object.name}: {e.message}"
+        for e in events.items
+        if (e.involved_object.name or "").startswith(f"{job}-")
+    ]
 
 
 def _newest_step(out: Path) -> int:
@@ -116,6 +131,7 @@ def _lose_and_recover(baton: Baton, job: str, lost_rank: int, *, failures: int) 
     assert _trainer_status(after[survivor])["restartCount"] > restarts, diag
     assert after[lost_rank]["metadata"]["uid"] != lost_uid, diag
     assert after[lost_rank]["metadata"]["name"] == lost_pod, diag
+    assert _taint_manager_evictions(baton, job) == [], diag
     return recovered
 
 
@@ -231,6 +247,7 @@ def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(
         conditions = {c["type"]: c for c in recovered["conditions"]}
         assert conditions["Recovering"]["reason"] == "RecoveredFromDurable", diag
         assert _pods_by_rank(baton, job)[0]["metadata"]["uid"] == before[0]["metadata"]["uid"]
+        assert _taint_manager_evictions(baton, job) == [], diag
 
         final = baton.wait_phase(job, "Succeeded", timeout=240)
         diag = baton.diagnostics(job)

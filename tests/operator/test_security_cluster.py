@@ -18,6 +18,7 @@ import pytest
 import yaml
 from baton_operator import __main__ as operator_main
 from baton_operator import rbac
+from baton_testing import escalations
 from baton_testing.operator_harness import (
     NAMESPACE,
     OPERATOR_NS,
@@ -49,49 +50,6 @@ def open_namespace(operator_install: OperatorInstall) -> str:
     return OPEN_NS
 
 
-def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def apply(pod: dict[str, Any]) -> None:
-        node: Any = pod
-        parts = path.split(".")
-        for part in parts[:-1]:
-            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
-        node[parts[-1]] = value
-
-    return apply
-
-
-ESCALATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
-    "hostNetwork": (_set("hostNetwork", True), "spec.template.spec.hostNetwork"),
-    "hostPID": (_set("hostPID", True), "spec.template.spec.hostPID"),
-    "hostIPC": (_set("hostIPC", True), "spec.template.spec.hostIPC"),
-    "hostPath /": (
-        _set("volumes", [{"name": "root", "hostPath": {"path": "/"}}]),
-        "spec.template.spec.volumes[].hostPath",
-    ),
-    "nodeName": (_set("nodeName", "some-node"), "spec.template.spec.nodeName"),
-    "runAsUser 0": (
-        _set("securityContext", {"runAsUser": 0}),
-        "spec.template.spec.securityContext.runAsUser",
-    ),
-    "container runAsUser 0": (
-        _set("containers.0.securityContext", {"runAsUser": 0}),
-        "spec.template.spec.containers[].securityContext.runAsUser",
-    ),
-    "privileged": (
-        _set("containers.0.securityContext", {"privileged": True}),
-        "spec.template.spec.containers[].securityContext.privileged",
-    ),
-    "capabilities.add": (
-        _set("containers.0.securityContext", {"capabilities": {"add": ["SYS_ADMIN"]}}),
-        "spec.template.spec.containers[].securityContext.capabilities.add",
-    ),
-    "hostPort": (
-        _set("containers.0.ports", [{"containerPort": 2222, "hostPort": 2222}]),
-        "spec.template.spec.containers[].ports[].hostPort",
-    ),
-}
-
-
 def _open_job(baton: Baton, name: str) -> dict[str, Any]:
     manifest = baton.job_manifest(name, steps=5, every_steps=5, sleep=0.1)
     manifest["metadata"]["namespace"] = OPEN_NS
@@ -99,16 +57,28 @@ def _open_job(baton: Baton, name: str) -> dict[str, Any]:
 
 
 def test_the_api_server_refuses_every_escalating_field(baton: Baton, open_namespace: str) -> None:
+    """Every Pod Security baseline/restricted field, in every container kind (containers, init
+    containers, a native sidecar; ephemeral containers at all), is refused at apply in a
+    namespace without Pod Security, naming the field; what restricted allows is admitted."""
     plain = _open_job(baton, unique("tj-plain"))
+    plain["spec"]["template"] = escalations.plain_template()
     dry = ("apply", "--dry-run=server", "-f", "-")
     ok = baton.cluster.kubectl(*dry, input=yaml.safe_dump(plain), check=False)
     assert ok.returncode == 0, f"a plain job must be admitted: {ok.stderr}"
-    for case, (mutate, field) in ESCALATIONS.items():
+    for case, mutate in escalations.ALLOWED.items():
         job = copy.deepcopy(plain)
-        mutate(job["spec"]["template"]["spec"])
+        mutate(job["spec"]["template"])
+        result = baton.cluster.kubectl(*dry, input=yaml.safe_dump(job), check=False)
+        assert result.returncode == 0, (
+            f"{case}: refused, though restricted allows it: {result.stderr}"
+        )
+    for case, (mutate, field, cel_field) in escalations.ESCALATIONS.items():
+        job = copy.deepcopy(plain)
+        mutate(job["spec"]["template"])
         result = baton.cluster.kubectl(*dry, input=yaml.safe_dump(job), check=False)
         assert result.returncode != 0, f"{case}: admitted in a namespace without Pod Security"
-        assert f"{field} is not allowed" in result.stderr, (case, result.stderr)
+        generic = cel_field or field.replace("[0]", "[]").replace("[1]", "[]")
+        assert f"{generic} is not allowed" in result.stderr, (case, result.stderr)
         assert "Security policy" in result.stderr, (case, result.stderr)
 
 
@@ -132,6 +102,10 @@ def test_the_operator_refuses_a_service_account_it_does_not_allow(
     assert failed["reason"] == "PodTemplateRefused"
     assert "spec.template.spec.serviceAccountName" in failed["message"]
     assert "'cluster-admin-ish' is not allowed" in failed["message"]
+    # The row says why (the REASON column; a Failed job once showed an empty row).
+    row = k("get", "trainingjob", name, "-n", OPEN_NS).stdout
+    assert "REASON" in row.splitlines()[0], row
+    assert "PodTemplateRefused" in row.splitlines()[1], row
     events = k(
         "get", "events", "-n", OPEN_NS, "--field-selector", f"involvedObject.name={name}",
         "-o", "yaml",

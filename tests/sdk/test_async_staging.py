@@ -122,3 +122,59 @@ def test_the_background_writer_and_its_helper_threads_yield_the_cpu_to_training(
     expected = min(main + BACKGROUND_NICE, 19)
     assert (writer, helper) == (expected, expected)
     assert nice() == main  # the training thread keeps its priority
+
+
+def test_small_saves_and_every_commit_run_at_normal_priority() -> None:
+    """At background priority a loaded machine starved a 4 MiB save's commit for seconds
+    (bench/commit_latency.py): a save up to ``normal_priority_below`` runs at normal priority,
+    and a larger one hands its commit to a normal-priority thread."""
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    main = nice()
+    saver = AsyncSaver(normal_priority_below=1 << 20)
+    try:
+
+        def work(staged: dict[str, torch.Tensor], tree: Any) -> tuple[int, int]:
+            return nice(), saver.at_normal_priority(nice)
+
+        small = saver.submit(step=1, tensors={"t": torch.ones(1024)}, json_tree={}, work=work)
+        assert small.wait(timeout=60) == (main, main)
+        big = saver.submit(step=2, tensors={"t": torch.ones(1 << 19)}, json_tree={}, work=work)
+        assert big.wait(timeout=60) == (min(main + BACKGROUND_NICE, 19), main)
+    finally:
+        saver.close()
+
+
+def test_an_async_save_above_the_bound_commits_from_the_normal_thread(tmp_path: Any) -> None:
+    """The real path: stage_and_commit writes at background priority and commits through
+    at_normal_priority; the step is committed and loads back."""
+    import trainer_sdk
+    from trainer_sdk import api
+    from trainer_sdk.staging import stage_and_commit
+    from trainer_sdk.storage import open_storage
+
+    saver = AsyncSaver(normal_priority_below=1024)
+    commits: list[int] = []
+    real = saver.at_normal_priority
+
+    def counting(fn: Any) -> Any:
+        commits.append(1)
+        return real(fn)
+
+    saver.at_normal_priority = counting  # type: ignore[method-assign]
+    state = {"w": torch.randn(64, 64), "step": 3}
+    flat = api.flatten(state)
+    try:
+        handle = stage_and_commit(
+            saver, flat, api.plan_save(flat, 0, 1), open_storage(tmp_path), step=3,
+            trigger="periodic",
+        )  # fmt: skip
+        assert handle.wait(timeout=60).step == 3
+    finally:
+        saver.close()
+    assert commits == [1]
+    out: dict[str, Any] = {}
+    trainer_sdk.load(out, tmp_path)
+    assert torch.equal(out["w"], state["w"])

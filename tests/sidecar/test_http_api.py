@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from baton_sidecar._core import FINAL_REPORT_KEYS
 from baton_testing.ports import free_port
 from baton_testing.sidecar_process import SIDECAR_BIN, TOKEN, SidecarProcess, wait_for
 
@@ -496,3 +499,32 @@ def test_the_linger_is_bounded_and_a_second_sigterm_ends_it(
     _still_running_after(impatient, 1.0)
     _sigterm(impatient)
     assert _exited_within(impatient, 5.0) == 0
+
+
+def test_on_exit_the_outcome_goes_into_the_termination_message(
+    sidecar_factory: Callable[..., SidecarProcess], tmp_path: Path
+) -> None:
+    # A save served for SIGTERM (no request id: nothing lingers for it) and an operator that
+    # never polled: the pod's status keeps the outcome in the sidecar's termination message.
+    log = tmp_path / "termination-log"
+    sc = sidecar_factory(env={"BATON_TERMINATION_LOG": str(log)})
+    signalled = dataclasses.replace(_committed(""), request_id=None, trigger="signal")
+    ControlChannel(sc.control_dir).write_status(signalled)
+    _sigterm(sc)
+    assert _exited_within(sc, 5.0) == 0
+    report = json.loads(log.read_text())
+    assert len(log.read_bytes()) <= 4096
+    assert (report["state"], report["step"], report["trigger"]) == ("committed", 40, "signal")
+    assert (report["last_committed_step"], report["request_id"]) == (40, None)
+    assert report["heartbeat"] is not None
+    assert sorted(report) == sorted(FINAL_REPORT_KEYS), "the SDK's fields only"
+
+
+def test_an_unwritable_termination_log_is_logged_and_the_exit_is_clean(
+    sidecar_factory: Callable[..., SidecarProcess], tmp_path: Path
+) -> None:
+    log = tmp_path / "missing-dir" / "termination-log"
+    sc = sidecar_factory(env={"BATON_TERMINATION_LOG": str(log)})
+    _sigterm(sc)
+    assert _exited_within(sc, 5.0) == 0
+    assert "cannot write the final report" in sc.log()

@@ -58,8 +58,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
-from trainer_sdk.control import EXIT_STOPPED_AFTER_NOTICE, Trigger
 from trainer_sdk.integrations import IntegrationError
+from trainer_sdk.wire import EXIT_STOPPED_AFTER_NOTICE, Trigger
 
 __all__ = ["EXIT_ON_NOTICE", "BatonCheckpointManager"]
 

@@ -8,6 +8,12 @@ A stock script changes two lines (``docs/integrations.md`` has the whole diff)::
     if trainer.preempted:
         sys.exit(trainer.exit_code)       # a notice was served: 75 (76 after a memory-tier save)
 
+Any ``Trainer`` subclass (TRL's ``SFTTrainer``, ``DPOTrainer``; Axolotl's trainer) gets the
+same through :func:`baton_trainer` (``baton_trainer(SFTTrainer)(...)``), which puts
+:class:`BatonTrainerMixin` first among its bases; :class:`BatonTrainer` is the plain case.
+SIGTERM has one owner: ``TrainingArguments(enable_jit_checkpoint=True)`` (transformers' own
+SIGTERM save) is refused before the Trainer could install its handler.
+
 What changes underneath, hook by hook (``transformers`` is pinned; these are the Trainer's own
 extension points, read from its source):
 
@@ -29,32 +35,37 @@ extension points, read from its source):
 * ``_maybe_log_save_evaluate`` (after each optimizer step's logging) calls
   :meth:`~trainer_sdk.Checkpointer.step`, which serves SIGTERM and the sidecar's requests with
   a save at a step every rank agrees on, then stops training (``preempted`` is True).
+
+One module (over 600 lines): the hooks above, the refusals of settings and subclasses that
+would break them, and the progress state they save only make sense read together, against
+one pinned ``transformers``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import transformers.trainer as hf_trainer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
 from trainer_sdk import rng
 from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
-from trainer_sdk.control import Trigger
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.sampler import ResumableSampler
+from trainer_sdk.wire import Trigger
 
-__all__ = ["BatonTrainer"]
+__all__ = ["BatonTrainer", "BatonTrainerMixin", "baton_trainer"]
 
 log = logging.getLogger("trainer_sdk.integrations.transformers")
 
@@ -65,8 +76,21 @@ the Trainer keep its counters where the checkpoint left them, and it reaches
 _SUBDIR: Final = "baton"
 
 
-class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is untyped (Any)
-    """A ``transformers.Trainer`` whose checkpoints, resumes and preemptions go through Baton.
+if TYPE_CHECKING:
+    _TrainerBase = Trainer  # the mixin's super() calls are the Trainer's
+else:
+    _TrainerBase = object
+
+
+class BatonTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]  # Trainer is Any
+    """Baton's checkpoints, resumes and preemptions for any ``transformers.Trainer`` subclass.
+
+    Put it first among the bases (``class MyTrainer(BatonTrainerMixin, SFTTrainer)``), or let
+    :func:`baton_trainer` build that class; :class:`BatonTrainer` is the plain ``Trainer`` case.
+    Its methods are the Trainer hooks listed in the module doc: placed first in the MRO, they
+    run instead of the subclass's versions of the same hooks (TRL's ``_save_checkpoint``, which
+    writes a model card into ``checkpoint-N/``, is one), and call the subclass's for
+    everything else (its ``compute_loss``, ``training_step``, ``log``, dataset preparation).
 
     Keyword arguments beyond the Trainer's:
 
@@ -84,6 +108,13 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
     After ``train()`` returns, :attr:`preempted` says whether it stopped for a notice.
     """
 
+    baton_progress_attributes: tuple[str, ...] = ("_total_train_tokens", "_metrics")
+    """Attributes of a Trainer subclass that carry training progress from step to step, saved
+    per rank (as JSON) when the trainer has them and put back on resume, so that the logs of a
+    resumed run are the uninterrupted run's. The defaults are TRL's: the running token count
+    (logged as ``num_tokens``) and the metrics averaged at the next log. Extend it for a
+    subclass with more; values must be JSON (numbers, strings, lists, dicts of those)."""
+
     def __init__(
         self,
         *args: Any,
@@ -91,6 +122,9 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
         baton_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        # Before the Trainer's __init__, which would install the JIT checkpoint's SIGTERM
+        # handler (transformers/trainer.py, "8. Callbacks": JITCheckpointCallback.set_trainer).
+        _refuse_jit_checkpoint(kwargs["args"] if "args" in kwargs else args[1:2])
         super().__init__(*args, **kwargs)
         options = dict(baton_options or {})
         owned = {"model", "optimizer", "scheduler", "dataloader", "extra"} | {
@@ -101,7 +135,8 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
         clash = sorted(owned & options.keys())
         if clash:
             raise IntegrationError(
-                f"baton_options sets {clash}, which BatonTrainer takes from the Trainer: drop "
+                f"baton_options sets {clash}, which {type(self).__name__} takes from the "
+                "Trainer: drop "
                 "them (keep_last comes from args.save_total_limit, the uri from baton_uri)"
             )
         _check_args(self.args)
@@ -163,6 +198,7 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
                 "an IterableDataset has no position to save, so a resume would replay or skip "
                 "data; use a map-style dataset (datasets.Dataset is one)"
             )
+        _check_own_sampler(self, dataset)
         collator = self.data_collator
         if _is_hf_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
@@ -201,7 +237,7 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
             raise IntegrationError(
                 f"the training loader is a {type(train_dataloader).__name__}, not BatonTrainer's: "
                 "a subclass that overrides get_train_dataloader must return "
-                "BatonTrainer.get_train_dataloader(self)'s loader (or one built the same way)"
+                "BatonTrainerMixin.get_train_dataloader(self)'s loader (or one built the same way)"
             )
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         extra: dict[str, Any] = {"trainer": _TrainerProgress(self)}
@@ -227,7 +263,10 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
             # The streams as restored: put back again where the Trainer would reload its
             # rng_state.pth, so nothing drawn between here and that point counts.
             self._baton_resume = _Resume(
-                global_step=step, rng=rng.capture(), accumulators=progress.loaded_accumulators
+                global_step=step,
+                rng=rng.capture(),
+                accumulators=progress.loaded_accumulators,
+                attributes=progress.loaded_attributes,
             )
         return model, train_dataloader
 
@@ -282,6 +321,8 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
             self._total_loss_scalar = total_loss
             self._globalstep_last_logged = last_logged
             self.current_flos = flos
+        for name, value in resume.attributes.items():
+            _set_progress(self, name, value)
         self._baton_rng = resume.rng
         # The Trainer's own resumed-epoch path, told where the epoch stands, keeps its step
         # counters and accumulation boundaries as the uninterrupted run's; only its skip, which
@@ -333,6 +374,60 @@ class BatonTrainer(Trainer):  # type: ignore[misc]  # transformers' Trainer is u
             self.control.should_training_stop = True
 
 
+class BatonTrainer(BatonTrainerMixin, Trainer):  # type: ignore[misc]  # Trainer is Any
+    """A ``transformers.Trainer`` whose checkpoints, resumes and preemptions go through Baton
+    (:class:`BatonTrainerMixin` on the plain ``Trainer``; its arguments are the mixin's)."""
+
+
+_combined: dict[type, type] = {}
+
+
+def baton_trainer(base: type[Any]) -> type[Any]:
+    """``base`` (a ``transformers.Trainer`` subclass: TRL's ``SFTTrainer``, ``DPOTrainer``, an
+    Axolotl trainer...) with Baton's checkpoints, resumes and preemptions.
+
+    Returns the class ``Baton<Name>(BatonTrainerMixin, base)``, built once per ``base``, so
+    ``baton_trainer(SFTTrainer)(model=..., args=..., train_dataset=..., baton_uri=...)`` takes
+    ``base``'s arguments plus the mixin's. A class that already has the mixin is returned as is.
+
+    Refused: a ``base`` that builds its own training loader (it overrides
+    ``get_train_dataloader``, as TRL's ``GRPOTrainer``, ``RLOOTrainer`` and
+    ``DistillationTrainer`` do): Baton's resumable loader would replace it without a word, and
+    the run would train on other batches than the stock one. A ``base`` that overrides only
+    ``_get_train_sampler`` is accepted, and checked when training starts (see
+    :meth:`BatonTrainerMixin.get_train_dataloader`).
+    """
+    if not isinstance(base, type) or not issubclass(base, Trainer):
+        raise IntegrationError(
+            f"baton_trainer({base!r}): pass a transformers.Trainer subclass (the class, such "
+            "as trl.SFTTrainer, not an instance)"
+        )
+    if issubclass(base, BatonTrainerMixin):
+        return base
+    combined = _combined.get(base)
+    if combined is not None:
+        return combined
+    if base.get_train_dataloader is not Trainer.get_train_dataloader:
+        raise IntegrationError(
+            f"{base.__qualname__} overrides get_train_dataloader: it builds its own training "
+            "batches, which Baton's resumable loader would replace (the run would train on "
+            "other data than without Baton), so Baton cannot resume it exactly; train it with "
+            "its own checkpoints, or subclass it so that its batches come from "
+            "BatonTrainerMixin.get_train_dataloader"
+        )
+    combined = type(
+        f"Baton{base.__name__}",
+        (BatonTrainerMixin, base),
+        {
+            "__module__": __name__,
+            "__qualname__": f"Baton{base.__name__}",
+            "__doc__": f"{base.__module__}.{base.__qualname__} with BatonTrainerMixin.",
+        },
+    )
+    _combined[base] = combined
+    return combined
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -341,6 +436,7 @@ class _Resume:
     global_step: int
     rng: dict[str, Any]
     accumulators: tuple[torch.Tensor | None, float, int, float]
+    attributes: dict[str, Any]
 
 
 class _TrackedLoader:
@@ -366,10 +462,11 @@ class _TrainerProgress:
     """The Trainer's own progress as Stateful: ``TrainerState`` (JSON) and, per rank, the loss
     and FLOP accumulators that the next log line is computed from."""
 
-    def __init__(self, trainer: BatonTrainer) -> None:
+    def __init__(self, trainer: BatonTrainerMixin) -> None:
         self._trainer = trainer
         self.loaded_state: dict[str, Any] = {}
         self.loaded_accumulators: tuple[torch.Tensor | None, float, int, float] = (None, 0, 0, 0)
+        self.loaded_attributes: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -394,6 +491,13 @@ class _TrainerProgress:
                     "total_loss": float(getattr(trainer, "_total_loss_scalar", 0.0)),
                     "last_logged": int(getattr(trainer, "_globalstep_last_logged", 0)),
                     "flos": float(trainer.current_flos),
+                    "attributes": json.dumps(
+                        {
+                            name: getattr(trainer, name)
+                            for name in trainer.baton_progress_attributes
+                            if hasattr(trainer, name)
+                        }
+                    ),
                 }
             ),
         }
@@ -410,6 +514,7 @@ class _TrainerProgress:
                 int(acc["last_logged"]),
                 float(acc["flos"]),
             )
+            self.loaded_attributes = json.loads(acc.get("attributes", "{}"))
 
 
 @contextlib.contextmanager
@@ -429,12 +534,69 @@ def _no_batch_skipping() -> Iterator[None]:
         hf_trainer.skip_first_batches = original
 
 
+def _check_own_sampler(trainer: Any, dataset: Any) -> None:
+    """Refuse a subclass's own training sampler (Axolotl's multipack for ``sample_packing``,
+    KTO's...): the ``ResumableSampler`` takes its place, and would silently change the batches.
+    A subclass whose override hands back the Trainer's own choice (a random or sequential
+    sampler; Axolotl does without packing or curriculum) is fine: that is what Baton
+    replaces with its resumable equivalent."""
+    if type(trainer)._get_train_sampler is Trainer._get_train_sampler:
+        return
+    sampler = trainer._get_train_sampler(dataset)
+    if sampler is None or isinstance(sampler, (RandomSampler, SequentialSampler)):
+        return
+    raise IntegrationError(
+        f"{type(trainer).__qualname__}._get_train_sampler chooses a "
+        f"{type(sampler).__qualname__}, whose order Baton cannot save and resume (its "
+        "ResumableSampler would take its place and train on other batches): turn off the "
+        "setting that selects it (sample packing, curriculum or grouped sampling) so that a "
+        "random or sequential order is asked for"
+    )
+
+
+def _set_progress(trainer: Any, name: str, value: Any) -> None:
+    """Put back a saved progress attribute; a dict is filled in place (TRL's ``_metrics`` holds
+    ``defaultdict(list)`` values that its ``compute_loss`` appends to)."""
+    current = getattr(trainer, name, None)
+    if isinstance(current, dict) and isinstance(value, dict):
+        for key, saved in value.items():
+            inner = current.get(key)
+            if isinstance(inner, dict) and isinstance(saved, dict):
+                inner.clear()
+                inner.update(saved)
+            else:
+                current[key] = saved
+        return
+    setattr(trainer, name, value)
+
+
 def _is_hf_dataset(dataset: Any) -> bool:
     try:
         import datasets
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
+
+
+def _refuse_jit_checkpoint(args: Any) -> None:
+    """Refuse ``enable_jit_checkpoint=True``: Baton owns SIGTERM, once.
+
+    transformers' JIT checkpoint (``trainer_jit_checkpoint.py``) installs its own SIGTERM
+    handler, and 3 s after a SIGTERM each rank calls ``_save_checkpoint`` at whatever step it
+    is on: with Baton that is a collective save that the ranks which got no SIGTERM (or got it
+    at another step) never join, so it hangs, or it saves a second time beside Baton's own
+    notice save. Baton's SIGTERM handling already does what the flag is for, at a step every
+    rank agrees on.
+    """
+    if isinstance(args, tuple):  # positional: Trainer(model, args, ...)
+        args = args[0] if args else None
+    if getattr(args, "enable_jit_checkpoint", False):
+        raise IntegrationError(
+            "enable_jit_checkpoint=True installs transformers' own SIGTERM save, a second one "
+            "beside Baton's (which would hang or save twice): set enable_jit_checkpoint=False. "
+            "Baton already saves on SIGTERM, at a step every rank agrees on, then stops "
+            "training (trainer.preempted, exit with trainer.exit_code)"
+        )
 
 
 def _check_args(args: Any) -> None:

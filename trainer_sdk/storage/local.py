@@ -355,14 +355,6 @@ class LocalStorage:
             return []
         return sorted(n for n in names if not _is_temp(n))
 
-    def list_temp(self, path: str) -> list[str]:
-        """In-progress (or abandoned) temp files directly under ``path``."""
-        try:
-            names = os.listdir(self._path(path))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(n for n in names if _is_temp(n))
-
     def delete(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(path))

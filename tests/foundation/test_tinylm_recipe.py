@@ -1,0 +1,59 @@
+"""The example trainer's torchrun recipe runs as its docstring writes it.
+
+``examples/tinylm/train.py`` once took ``--log``, which torchrun reads as an abbreviation of its
+own ``--log-dir``/``--logs-specs`` ("ambiguous option: --log could match --log-dir", exit 2),
+so the documented way to run it under torchrun failed before any rank started. This runs the
+docstring's command (only its ``/tmp`` paths moved into the test's directory), two processes
+and a few steps, and requires torchrun's exit 0: the elastic agent exits 0 only when every
+local worker exited 0.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import trainer_sdk
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "tinylm" / "train.py"
+
+
+def _recipe() -> list[str]:
+    """The docstring's torchrun command, its shell line continuations joined."""
+    doc = ast.get_docstring(ast.parse(TRAIN.read_text(encoding="utf-8"))) or ""
+    commands = [c.strip() for c in doc.replace("\\\n", " ").splitlines()]
+    found = [c for c in commands if c.startswith("torchrun ")]
+    assert len(found) == 1, f"the docstring should document one torchrun command: {found}"
+    return shlex.split(found[0])
+
+
+def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
+    argv = _recipe()
+    assert "--loss-log" in argv
+    assert "--log" not in argv
+    args = [str(tmp_path / a[len("/tmp/") :]) if a.startswith("/tmp/") else a for a in argv[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "tinylm: world 2" in proc.stdout, proc.stdout
+    steps = int(argv[argv.index("--steps") + 1])
+    rows = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in rows if "loss" in r]
+    assert trained, rows
+    assert max(trained) == steps, rows
+    assert trainer_sdk.list_steps(str(tmp_path / "ckpt")), "the run saved no checkpoint"
