@@ -35,6 +35,7 @@ __all__ = [
     "all_gather_json",
     "all_reduce_max",
     "all_reduce_max_",
+    "backend_timeout",
     "broadcast_json",
     "group_rank_world",
     "is_distributed",
@@ -49,6 +50,23 @@ _counters: dict[str, itertools.count[int]] = {}
 
 _failed: set[str] = set()
 """Names of the groups on which a collective failed or ran past its deadline."""
+
+
+def backend_timeout(timeout: timedelta) -> timedelta:
+    """The gloo timer for a group whose collectives the SDK bounds with ``timeout`` itself:
+    ``timeout`` plus as much again, at most a minute more.
+
+    Why longer than the SDK's own deadline: a rank whose gloo timer fires closes its
+    connections, and a peer that reaches the same collective after that fails at once with
+    "Connection closed by peer" instead of waiting out its own deadline and naming the rank
+    that never arrived. That happened on a loaded machine when rank 0 was more than
+    ``timeout`` late to a collective (it registers the attempt in storage first): the early
+    rank's gloo gave up on the missing rank, and rank 0 was told "a peer failed". With the
+    longer timer every rank that arrives within the margin meets an open collective and its
+    own deadline decides. The few blocking agreements (:func:`all_reduce_max`) are bounded by
+    this timer.
+    """
+    return timeout + min(timeout, timedelta(minutes=1))
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
@@ -186,7 +204,7 @@ def _wait_for(
     except RuntimeError as e:
         missing = _missing(seq, world)
         if missing and "timed out" in str(e).lower():
-            # The backend's own timer (gloo's, set to the same timeout) fired before ours: the
+            # The backend's own timer (gloo's, see backend_timeout) fired before ours: the
             # same fault as above, reported the same way.
             raise CollectiveTimeoutError(
                 f"{what}: no answer within {timeout:.0f} s; rank(s) "
@@ -262,8 +280,8 @@ def broadcast_json(obj: Any, *, group: dist.ProcessGroup | None, timeout: float,
 def all_reduce_max(values: list[float], *, group: dist.ProcessGroup | None) -> list[float]:
     """Element-wise maximum of ``values`` over ``group`` (float64); ``values`` alone without one.
 
-    Blocking: bounded by the group's own timeout (the Checkpointer creates its groups with
-    its ``timeout``).
+    Blocking: bounded by the group's own timer (the Checkpointer creates its groups with
+    :func:`backend_timeout` of its ``timeout``).
     """
     if group is None:
         return list(values)

@@ -45,7 +45,12 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import _catalog, api
-from trainer_sdk._collectives import all_gather_json, broadcast_json, release_group
+from trainer_sdk._collectives import (
+    all_gather_json,
+    backend_timeout,
+    broadcast_json,
+    release_group,
+)
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
@@ -189,7 +194,9 @@ class Checkpointer:
         # of their own: the training group may be NCCL, and must not see extra collectives.
         self._group: Any | None = None
         if self.distributed and self.world_size > 1:
-            self._group = dist.new_group(backend="gloo", timeout=self.config.timeout)
+            self._group = dist.new_group(
+                backend="gloo", timeout=backend_timeout(self.config.timeout)
+            )
         # Built by every rank in the same order: it creates the background save group.
         self._saver: AsyncSaver | None = (
             AsyncSaver(timeout=self.config.timeout, normal_priority_below=NORMAL_PRIORITY_BYTES)

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import api
-from trainer_sdk._collectives import release_group
+from trainer_sdk._collectives import backend_timeout, release_group
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import Trigger
@@ -218,7 +218,7 @@ class AsyncSaver:
         self.group: Any | None = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Created now, by every rank in the same order; used only by the worker thread.
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self.group = dist.new_group(backend="gloo", timeout=backend_timeout(timeout))
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="baton-ckpt", initializer=_yield_cpu

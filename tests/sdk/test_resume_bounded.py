@@ -2,7 +2,8 @@
 
 * Three real ranks; one builds its Checkpointer but never calls ``restore()`` (stuck in its
   data loading, say). The others get a ``CollectiveTimeoutError`` naming it, after the
-  Checkpointer's ``timeout``, instead of hanging for the process group's 30 minutes.
+  Checkpointer's ``timeout``, instead of hanging for the process group's 30 minutes; also
+  when one of them arrives only after the other's deadline has passed.
 * A real SIGTERM arrives in the middle of a gradient-accumulation cycle. The Checkpointer
   serves it at the next ``step()``, which is the accumulation boundary, so no partial gradient
   exists to lose: the resumed run ends bitwise equal to an uninterrupted one.
@@ -76,6 +77,61 @@ def test_a_rank_that_never_arrives_at_restore_is_named_within_the_timeout(
         assert 2 in r["ranks"], r
         assert "no answer within 15 s" in r["msg"], r["msg"]
         assert "never arrived" in r["msg"], r["msg"]
+
+
+def _rank1_arrives_after_rank0_gave_up(root: str, sync_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    sync = Path(sync_dir)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(root, model=model, optimizer=opt, timeout=4, handle_sigterm=False)
+    if rank == 2:
+        _wait_for(sync / "done-0")
+        _wait_for(sync / "done-1")
+        return {"restored": False}
+    if rank == 1:
+        _wait_for(sync / "done-0")  # rank 0's own 4 s have run out: rank 1 is later than that
+    t = time.monotonic()
+    try:
+        ck.restore()
+        out: dict[str, Any] = {"error": None}
+    except CollectiveTimeoutError as e:
+        out = {"error": type(e).__name__, "msg": str(e), "ranks": list(e.ranks)}
+    out["waited"] = time.monotonic() - t
+    (sync / f"done-{rank}").touch()
+    _wait_for(sync / f"done-{1 - rank}")
+    return out
+
+
+def test_a_rank_later_than_a_peers_deadline_still_names_the_rank_that_never_arrived(
+    tmp_path: Path,
+) -> None:
+    """The CI failure at stop 33: one waiting rank reached the collective more than the
+    timeout after the other (rank 0 registers the attempt in storage first; the disk was
+    busy). gloo's timer on the early rank, equal to the SDK's timeout then, had closed its
+    connections, and the late rank failed at once with "a peer failed during the collective".
+    The SDK's groups now give gloo a longer timer (backend_timeout), so the late rank meets an
+    open collective and its own deadline names rank 2."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    results = run_ranks(
+        _rank1_arrives_after_rank0_gave_up,
+        3,
+        args=(str(tmp_path / "ckpt"), str(sync)),
+        timeout=400,
+    )
+    # rank 0 gave up before rank 1 came; rank 1 found rank 0 there and rank 2 still missing
+    for rank, missing in ((0, [1, 2]), (1, [2])):
+        r = results[rank]
+        assert r["error"] == "CollectiveTimeoutError", r
+        assert r["ranks"] == missing, r
+        assert "no answer within 4 s" in r["msg"], r["msg"]
+        assert "never arrived" in r["msg"], r["msg"]
+    # rank 1 waited out its own deadline rather than failing at once on a closed connection
+    assert results[1]["waited"] >= 4.0, results[1]
 
 
 # ---- a notice in the middle of an accumulation cycle ----------------------------------------
