@@ -85,6 +85,23 @@ def finish(proc: subprocess.Popen[bytes], out: Path) -> int:
         pytest.fail(f"torchrun ran past {RUN_TIMEOUT_S}s:\n{tail(out)}")
 
 
+def run_until_hang(out: Path, step: int, *, nproc: int = 2, **env: str) -> None:
+    """Run until every rank finished optimizer step ``step``, then SIGKILL the whole job."""
+    for marker in out.glob("hang-*"):
+        marker.unlink()
+    proc = start(out, nproc=nproc, HF_TEST_HANG_AT=str(step), **env)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not all((out / f"hang-{r}").exists() for r in range(nproc)):
+        if proc.poll() is not None:
+            kill_job(proc, out)
+            pytest.fail(f"the run exited ({proc.returncode}) before step {step}:\n{tail(out)}")
+        if time.monotonic() > deadline:
+            kill_job(proc, out)
+            pytest.fail(f"step {step} not reached in {RUN_TIMEOUT_S}s:\n{tail(out)}")
+        time.sleep(0.2)
+    kill_job(proc, out)
+
+
 def tail(out: Path) -> str:
     return (out / "torchrun.log").read_text(errors="replace")[-6000:]
 

@@ -11,6 +11,8 @@ Test hooks (environment):
   HF_TEST_HANG_AT    after this optimizer step, write hang-<rank> (its pid) and wait to be
                      SIGKILLed (torchrun starts every worker in a session of its own)
   HF_TEST_SIGTERM_AT after this optimizer step, rank 1 sends itself SIGTERM
+  HF_TEST_LORA       "1": fine-tune a LoRA adapter (peft) on the frozen base instead, as a
+                     stock PEFT script does (get_peft_model on the model, nothing else changes)
   HF_TEST_HOLD_AT    after this optimizer step (before Baton's step boundary), write
                      held-<rank> and wait until the test creates the file "release" (so that
                      a notice the test gives arrives while training is in progress); no wait
@@ -121,10 +123,12 @@ def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     (out / f"pid-{rank}").write_text(str(os.getpid()))  # for the test's cleanup
     torch.use_deterministic_algorithms(True)
+    lora = os.environ.get("HF_TEST_LORA") == "1"
+    width = 64 if lora else 16  # the LoRA run's frozen base outweighs its adapter, as usual
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -134,6 +138,13 @@ def main() -> int:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        adapter = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]
+        )
+        model = get_peft_model(model, adapter)
     args = TrainingArguments(
         output_dir=str(out / "hf-output"),
         per_device_train_batch_size=2,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -22,32 +21,11 @@ from baton_testing import hf_runs
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
-def _run_until_hang(out: Path, step: int, *, nproc: int = 2) -> None:
-    """Run until every rank finished optimizer step ``step``, then SIGKILL the whole job."""
-    for marker in out.glob("hang-*"):
-        marker.unlink()
-    proc = hf_runs.start(out, nproc=nproc, HF_TEST_HANG_AT=str(step))
-    deadline = time.monotonic() + hf_runs.RUN_TIMEOUT_S
-    while not all((out / f"hang-{r}").exists() for r in range(nproc)):
-        if proc.poll() is not None:
-            hf_runs.kill_job(proc, out)
-            pytest.fail(
-                f"the run exited ({proc.returncode}) before step {step}:\n{hf_runs.tail(out)}"
-            )
-        if time.monotonic() > deadline:
-            hf_runs.kill_job(proc, out)
-            pytest.fail(
-                f"step {step} not reached in {hf_runs.RUN_TIMEOUT_S}s:\n{hf_runs.tail(out)}"
-            )
-        time.sleep(0.2)
-    hf_runs.kill_job(proc, out)
-
-
 def test_sigkill_mid_epoch_twice_resumes_bitwise(hf_reference: Path, tmp_path: Path) -> None:
     # save_steps=3 and 6 optimizer steps per epoch: killed after step 4 (epoch 0) and step 11
     # (epoch 1), resumed from steps 3 and 9, both in the middle of an epoch.
-    _run_until_hang(tmp_path, 4)
-    _run_until_hang(tmp_path, 11)
+    hf_runs.run_until_hang(tmp_path, 4)
+    hf_runs.run_until_hang(tmp_path, 11)
     assert hf_runs.run(tmp_path) == 0, hf_runs.tail(tmp_path)
     hf_runs.assert_same_final(tmp_path, hf_reference)
     for rank in (0, 1):
@@ -122,7 +100,7 @@ def test_resumed_three_rank_runs_exit_cleanly(tmp_path: Path) -> None:
     several times; torchrun's exit code is 0 only when every rank's is.
     """
     killed = tmp_path / "killed"
-    _run_until_hang(killed, 4, nproc=3)
+    hf_runs.run_until_hang(killed, 4, nproc=3)
     for i in range(4):
         out = tmp_path / f"resume-{i}"
         shutil.copytree(killed, out)
