@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from trainer_sdk.errors import UnreadableCheckpointError as UnreadableCheckpointError
     from trainer_sdk.errors import UnsupportedFormatError as UnsupportedFormatError
     from trainer_sdk.hf import export_hf as export_hf
+    from trainer_sdk.hf import export_peft_adapter as export_peft_adapter
     from trainer_sdk.sampler import ResumableSampler as ResumableSampler
     from trainer_sdk.staging import AsyncSaveHandle as AsyncSaveHandle
     from trainer_sdk.staging import async_save as async_save
@@ -63,6 +64,7 @@ _LAZY: dict[str, str] = {
     "ResumeError": "checkpointer",
     "ResumableSampler": "sampler",
     "export_hf": "hf",
+    "export_peft_adapter": "hf",
     "Stateful": "_types",
     "BatonError": "errors",
     "CheckpointError": "errors",

@@ -6,6 +6,7 @@
                                                   stderr); exit status 1 on any corruption
     python -m trainer_sdk export-hf URI OUT (--config PATH | --weights-only) [--step N]
                                   [--max-shard-size 5GB] [--prefix P] [--overwrite]
+                                  [--adapter [NAME]] (a PEFT adapter alone, PEFT layout)
 
 ``ls``, ``inspect`` and ``verify`` do not import torch, so they start fast on any machine that
 can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found,
@@ -253,6 +254,17 @@ def _parser() -> argparse.ArgumentParser:
         "--prefix", default="model.", help="key prefix of the model's tensors (stripped)"
     )
     ex.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    ex.add_argument(
+        "--adapter",
+        metavar="NAME",
+        nargs="?",
+        const="default",
+        help=(
+            "export the PEFT (LoRA) adapter NAME (default: 'default') alone, as "
+            "adapter_model.safetensors + adapter_config.json; --config is then the adapter's "
+            "adapter_config.json (or its folder)"
+        ),
+    )
     what = ex.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--config",

@@ -20,6 +20,12 @@ The model's config is written beside the weights as ``config.json``: without it,
 ``from_pretrained`` on the folder builds a *default* model of the class (for Llama a 7B-shaped
 one: slow, and a memory hazard) instead of failing. So :func:`export_hf` refuses to export
 without a config, unless told ``weights_only=True``.
+
+A PEFT fine-tune (a ``peft.PeftModel`` saved by the Checkpointer or ``BatonTrainer``) can also
+be exported as its adapter alone, in PEFT's own layout: :func:`export_peft_adapter` writes
+``adapter_model.safetensors`` (the adapter's tensors under PEFT's names, the adapter name
+removed as ``get_peft_model_state_dict`` does) and ``adapter_config.json``, which
+``PeftModel.from_pretrained(base_model, out_dir)`` loads.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ __all__ = [
     "ExportInfo",
     "HfExportError",
     "export_hf",
+    "export_peft_adapter",
     "parse_size",
     "run_export_hf",
 ]
@@ -63,6 +70,11 @@ DEFAULT_PREFIX: Final = "model."
 SINGLE_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 CONFIG_FILE: Final = "config.json"
+ADAPTER_FILE: Final = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE: Final = "adapter_config.json"
+_ADAPTER_MARK: Final = "lora_"
+"""What names an adapter tensor in a PeftModel's state dict (LoRA's A/B matrices, embeddings
+and DoRA magnitudes all carry it)."""
 _SHARD_RE: Final = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Transformers refuses safetensors files whose metadata lacks a known "format".
 _METADATA: Final = {"format": "pt"}
@@ -205,23 +217,24 @@ def _write_durably(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _config_json(config: Any) -> str:
-    """The text of ``config.json`` for ``config`` (see :func:`export_hf`)."""
+def _json_doc(config: Any, file_name: str) -> dict[str, Any]:
+    """``config`` as a JSON object: an object with ``to_json_string()`` or ``to_dict()``, a
+    dict, or the path of ``file_name`` (or of a folder holding one)."""
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if path.is_dir():
-            path = path / CONFIG_FILE
+            path = path / file_name
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise HfExportError(
-                f"cannot read the config {path}: {e}; pass the model's config object "
-                "(model.config) or the path of its config.json"
+                f"cannot read the config {path}: {e}; pass the config object "
+                f"(model.config, model.peft_config['default']) or the path of its {file_name}"
             ) from e
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
-            raise HfExportError(f"{path} is not JSON ({e}): pass the model's config.json") from e
+            raise HfExportError(f"{path} is not JSON ({e}): pass the {file_name}") from e
     elif hasattr(config, "to_json_string"):
         # transformers' PretrainedConfig: the same text its save_pretrained writes
         doc = json.loads(config.to_json_string())
@@ -231,11 +244,17 @@ def _config_json(config: Any) -> str:
         doc = dict(config)
     else:
         raise HfExportError(
-            f"config of type {type(config).__name__} is not a model config: pass model.config "
-            "(anything with to_dict()), a dict, or the path of a config.json"
+            f"config of type {type(config).__name__} is not a model config: pass "
+            f"model.config (anything with to_dict()), a dict, or the path of a {file_name}"
         )
     if not isinstance(doc, dict):
         raise HfExportError(f"the config must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _config_json(config: Any) -> str:
+    """The text of ``config.json`` for ``config`` (see :func:`export_hf`)."""
+    doc = _json_doc(config, CONFIG_FILE)
     if "model_type" not in doc:
         log.warning(
             "the config has no 'model_type': AutoConfig/AutoModel cannot load the export; "
@@ -359,6 +378,99 @@ def export_hf(
     )
 
 
+def export_peft_adapter(
+    uri: Location,
+    out_dir: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    adapter_config: Any,
+    adapter_name: str = "default",
+    prefix: str = DEFAULT_PREFIX,
+    overwrite: bool = False,
+) -> ExportInfo:
+    """Write the PEFT (LoRA) adapter ``adapter_name`` of checkpoint ``step`` under ``uri`` to
+    ``out_dir`` as ``adapter_model.safetensors`` + ``adapter_config.json``, the layout that
+    ``peft.PeftModel.from_pretrained(base_model, out_dir)`` loads.
+
+    Args:
+        adapter_config: the adapter's config: ``model.peft_config["default"]`` (any object
+            with ``to_dict()``), a dict, or the path of an ``adapter_config.json`` (or of a
+            folder holding one). The checkpoint does not hold it.
+        adapter_name: the adapter to export (PEFT's default adapter is ``"default"``).
+        The rest as in :func:`export_hf`. The adapter is written as one file (adapters are
+        small; it is held in memory once).
+    """
+    started = time.perf_counter()
+    doc = _json_doc(adapter_config, ADAPTER_CONFIG_FILE)
+    storage = open_storage(uri)
+    if step is None:
+        step = api.latest_step(storage)
+        if step is None:
+            raise HfExportError(f"no complete checkpoint under {storage.uri}: nothing to export")
+    manifest = api.read_manifest(storage, step)
+    segment = f".{adapter_name}"
+    selected = [
+        _Planned(key=item.key, name=_peft_name(item.name, segment), nbytes=item.nbytes)
+        for item in _select(manifest, prefix, step)
+        if _ADAPTER_MARK in item.name
+        and (segment + "." in item.name or item.name.endswith(segment))
+    ]
+    if not selected:
+        names = sorted({m.group(1) for k in manifest.tensors for m in [_ADAPTER_RE.search(k)] if m})
+        raise HfExportError(
+            f"step {step} holds no tensor of a PEFT adapter named {adapter_name!r} under "
+            f"{prefix!r} (adapters found: {names or 'none'}): export the model with export_hf, "
+            "or pass adapter_name= (CLI: --adapter NAME) of one of the adapters found"
+        )
+    out = Path(out_dir)
+    existing = [p for p in (out / ADAPTER_FILE, out / ADAPTER_CONFIG_FILE) if p.exists()]
+    if existing and not overwrite:
+        raise HfExportError(
+            f"{out} already holds an adapter export ({existing[0].name}): choose an empty "
+            "directory, or pass overwrite=True (--overwrite) to replace it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    name_of = {item.key: item.name for item in selected}
+    tensors = {name_of[k]: t for k, t in api.iter_tensors(storage, step=step, keys=name_of)}
+    try:
+        _write_shard(out / ADAPTER_FILE, tensors)
+        text = json.dumps(doc, indent=2, sort_keys=True, default=_jsonable) + "\n"
+        _write_durably(out / ADAPTER_CONFIG_FILE, lambda p: p.write_text(text, encoding="utf-8"))
+    except BaseException:
+        for name in (ADAPTER_FILE, ADAPTER_CONFIG_FILE):
+            (out / name).unlink(missing_ok=True)
+        raise
+    return ExportInfo(
+        step=step,
+        out_dir=str(out),
+        files=(ADAPTER_FILE,),
+        tensors=len(selected),
+        total_size=sum(item.nbytes for item in selected),
+        config=str(out / ADAPTER_CONFIG_FILE),
+        seconds=time.perf_counter() - started,
+    )
+
+
+_ADAPTER_RE: Final = re.compile(r"\.lora_[A-Za-z_]+\.([^.]+)(?:\.|$)")
+
+
+def _peft_name(name: str, segment: str) -> str:
+    """PEFT's saved name of a live adapter tensor: ``q_proj.lora_A.default.weight`` ->
+    ``q_proj.lora_A.weight``, ``lora_embedding_A.default`` -> ``lora_embedding_A``."""
+    if name.endswith(segment):
+        return name[: -len(segment)]
+    return name.replace(segment + ".", ".", 1)
+
+
+def _jsonable(value: Any) -> Any:
+    """PEFT configs hold sets (``target_modules``) and enums; JSON has lists and strings."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "value"):
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def _stream_shards(
     storage: Storage,
     step: int,
@@ -413,6 +525,27 @@ def run_export_hf(args: argparse.Namespace) -> int:
         progress.update(f"export-hf: {done / 2**20:.1f} / {total / 2**20:.1f} MiB ({pct:.0f}%)")
 
     try:
+        if args.adapter is not None:
+            if args.config is None:
+                raise HfExportError(
+                    "--adapter needs --config with the adapter's adapter_config.json (or its "
+                    "folder): the checkpoint does not hold the adapter's config"
+                )
+            info = export_peft_adapter(
+                args.uri,
+                args.out,
+                step=args.step,
+                adapter_config=args.config,
+                adapter_name=args.adapter,
+                prefix=args.prefix,
+                overwrite=args.overwrite,
+            )
+            print(
+                f"exported the adapter {args.adapter!r} of step {info.step}: {info.tensors} "
+                f"tensors, {info.total_size} bytes, {ADAPTER_FILE} and {ADAPTER_CONFIG_FILE} "
+                f"in {info.out_dir} ({info.seconds:.1f}s)"
+            )
+            return 0
         info = export_hf(
             args.uri,
             args.out,

@@ -181,6 +181,8 @@ def main() -> int:
     if rank == 0:
         save_final(trainer, model, out)
         model.config.to_json_file(str(out / "config.json"))  # for the export test
+        if lora:  # the adapter's config, for the adapter export test
+            model.peft_config["default"].save_pretrained(str(out / "adapter"))
     return 0
 
 

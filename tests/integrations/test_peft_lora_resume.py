@@ -101,3 +101,52 @@ def test_killed_twice_and_sigtermed_resumes_bitwise(lora_reference: Path, tmp_pa
         steps = hf_runs.steps(hf_runs.losses(tmp_path, rank), ref)
         # the replays are the steps after each kill's checkpoint; none after the SIGTERM save
         assert steps == [1, 2, 3, 4, *range(4, 9), *range(7, saved + 1), *range(saved + 1, 13)]
+
+
+def test_the_adapter_exports_in_peft_layout(lora_reference: Path, tmp_path: Path) -> None:
+    """``export-hf --adapter`` writes PEFT's own layout of the last step's adapter, and
+    ``PeftModel.from_pretrained`` on the base gives the trained model, every tensor bitwise."""
+    import subprocess
+    import sys
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path / "adapter-export"
+    cli = [sys.executable, "-m", "trainer_sdk", "export-hf", str(lora_reference / "ckpt")]
+    done = subprocess.run(
+        [*cli, str(out), "--adapter", "--config", str(lora_reference / "adapter")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exported the adapter 'default' of step 12: 8 tensors" in done.stdout, done.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert all(".default." not in k and "lora_" in k for k in saved), sorted(saved)
+
+    torch.manual_seed(0)  # the script's base, before the adapter
+    base = LlamaForCausalLM(LlamaConfig.from_json_file(str(lora_reference / "config.json")))
+    loaded = PeftModel.from_pretrained(base, str(out)).state_dict()
+    final = load_file(str(lora_reference / "final.safetensors"))
+    trained = {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")}
+    assert loaded.keys() == trained.keys()
+    for key, tensor in trained.items():
+        assert loaded[key].equal(tensor), f"{key} differs from the trained model"
+
+    # an adapter name the checkpoint does not hold is refused, naming the ones it does
+    wrong = subprocess.run(
+        [*cli, str(tmp_path / "x"), "--adapter", "other", "--config", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert wrong.returncode == 1
+    assert "no tensor of a PEFT adapter named 'other'" in wrong.stderr, wrong.stderr
+    assert "adapters found: ['default']" in wrong.stderr, wrong.stderr
