@@ -227,11 +227,14 @@ def goals(name: str, figs: dict[str, Figures], trainable: int) -> str:
     b = max(inc.later_bytes) / trainable
     s = _med(inc.save_s) / _med(alone.save_s)
     n = _med(inc.notice_s) / _med(alone.notice_s)
+    extra_s = 1e3 * (_med(inc.save_s) - _med(alone.save_s))
+    extra_n = 1e3 * (_med(inc.notice_s) - _med(alone.notice_s))
     verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     return (
         f"{name}: bytes {b:.3f}x the trainable state (largest later save; goal <= 1.1x: "
         f"{verdict(b <= 1.1)}); time {s:.2f}x (save) and {n:.2f}x (notice to commit) the "
-        f"adapter alone (goal <= 1.2x: {verdict(s <= 1.2 and n <= 1.2)})"
+        f"adapter alone, {extra_s:+.0f} ms and {extra_n:+.0f} ms (goal <= 1.2x: "
+        f"{verdict(s <= 1.2 and n <= 1.2)})"
     )
 
 
