@@ -402,6 +402,16 @@ def export_peft_adapter(
     """
     started = time.perf_counter()
     doc = _json_doc(adapter_config, ADAPTER_CONFIG_FILE)
+    beyond = _beyond_lora_matrices(doc)
+    if beyond:
+        raise HfExportError(
+            f"the adapter {adapter_name!r} also trains {beyond}, which PEFT saves beside the "
+            "LoRA matrices and this export does not write (the adapter would load without "
+            "them): load the step into the PeftModel (Checkpointer.restore, or api.load) and "
+            "call model.save_pretrained(out_dir)"
+        )
+    # as PeftModel.save_pretrained writes it (from_pretrained sets it again from is_trainable)
+    doc = {**doc, "inference_mode": True}
     storage = open_storage(uri)
     if step is None:
         step = api.latest_step(storage)
@@ -455,11 +465,30 @@ _ADAPTER_RE: Final = re.compile(r"\.lora_[A-Za-z_]+\.([^.]+)(?:\.|$)")
 
 
 def _peft_name(name: str, segment: str) -> str:
-    """PEFT's saved name of a live adapter tensor: ``q_proj.lora_A.default.weight`` ->
-    ``q_proj.lora_A.weight``, ``lora_embedding_A.default`` -> ``lora_embedding_A``."""
+    """PEFT's saved name of a live adapter tensor, as ``get_peft_model_state_dict`` makes it
+    (the adapter name removed before the last part, and LoRA's DoRA rename):
+    ``q_proj.lora_A.default.weight`` -> ``q_proj.lora_A.weight``, ``lora_embedding_A.default``
+    -> ``lora_embedding_A``, ``lora_magnitude_vector.default.weight`` ->
+    ``lora_magnitude_vector``."""
     if name.endswith(segment):
         return name[: -len(segment)]
-    return name.replace(segment + ".", ".", 1)
+    key, _, suffix = name.rpartition(".")
+    saved = f"{key.removesuffix(segment)}.{suffix}"
+    return saved.removesuffix(".weight") if saved.endswith(_DORA_MAGNITUDE) else saved
+
+
+_DORA_MAGNITUDE: Final = "lora_magnitude_vector.weight"
+"""A DoRA layer's magnitude; PEFT saves it as ``...lora_magnitude_vector`` (no ``.weight``),
+the name it had before DoRA became a module."""
+
+
+def _beyond_lora_matrices(doc: Mapping[str, Any]) -> list[str]:
+    """The settings of a LoRA config under which PEFT's adapter holds more than the tensors
+    named ``lora_``: whole modules (``modules_to_save``), biases, token deltas."""
+    found = [k for k in ("modules_to_save", "trainable_token_indices") if doc.get(k)]
+    if doc.get("bias", "none") != "none":
+        found.append(f"bias={doc['bias']!r}")
+    return found
 
 
 def _jsonable(value: Any) -> Any:
