@@ -194,6 +194,21 @@ def test_a_resume_with_another_batch_size_is_refused_and_names_the_settings(
         other.train()
 
 
+def test_a_resume_with_a_larger_max_steps_trains_up_to_it(tmp_path: Path) -> None:
+    """As the Trainer's own resume: max_steps is this run's, not the checkpoint's."""
+    uri = tmp_path / "ckpt"
+    first = BatonTrainer(
+        model=_model(), args=_args(tmp_path), train_dataset=_Tokens(), baton_uri=uri
+    )
+    first.train()
+    longer = BatonTrainer(
+        model=_model(), args=_args(tmp_path, max_steps=6), train_dataset=_Tokens(), baton_uri=uri
+    )
+    longer.train()
+    assert (longer.state.global_step, longer.state.max_steps) == (6, 6)
+    assert sorted(p.name for p in uri.glob("step-*")) == ["step-000000000003", "step-000000000006"]
+
+
 @pytest.mark.parametrize(
     ("setting", "fix"),
     [

@@ -74,6 +74,13 @@ _RESUMED: Final = "baton-resumed-checkpoint"
 the Trainer keep its counters where the checkpoint left them, and it reaches
 :meth:`BatonTrainer._load_rng_state`, which recognises it. No file is read from it."""
 _SUBDIR: Final = "baton"
+_THIS_RUN: Final = frozenset(
+    {"max_steps", "num_train_epochs", "trial_params", "is_local_process_zero",
+     "is_world_process_zero"}
+)  # fmt: skip
+"""``TrainerState`` fields the restored state does not overwrite: the Trainer's own resume sets
+them from this run after loading ``trainer_state.json`` (``init_training_references``), so a
+resumed run with a larger ``max_steps`` trains up to it."""
 
 
 if TYPE_CHECKING:
@@ -273,7 +280,7 @@ class BatonTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]  # Train
     def _apply_state(self, saved: Mapping[str, Any], step: int) -> None:
         names = {f.name for f in dataclasses.fields(self.state)}
         for name, value in saved.items():
-            if name in names and name not in ("is_local_process_zero", "is_world_process_zero"):
+            if name in names and name not in _THIS_RUN:
                 setattr(self.state, name, value)
         if self.state.global_step != step:
             raise IntegrationError(
