@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 # The S3 server driver the tests use (tests/ is on the venv's path: `make venv`).
-from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer
+from baton_testing.s3 import REGION, VersityServer, client_env
 
 from trainer_sdk.integrations.dcp import BatonLoadPlanner, BatonReader, BatonWriter
 
@@ -146,11 +146,7 @@ def bench_s3(base: Path, state: dict[str, torch.Tensor], runs: int, t: Table) ->
     server = VersityServer(root=str(root))
     server.start()
     try:
-        os.environ.update(
-            AWS_ENDPOINT_URL_S3=server.endpoint, AWS_ACCESS_KEY_ID=FAKE_KEY_ID,
-            AWS_SECRET_ACCESS_KEY=FAKE_SECRET, AWS_REGION=REGION,
-            AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-        )  # fmt: skip
+        os.environ.update(client_env(server.endpoint))
         boto3.client("s3", endpoint_url=server.endpoint, region_name=REGION).create_bucket(
             Bucket=BUCKET
         )

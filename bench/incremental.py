@@ -177,7 +177,7 @@ def bench_backend(
 
 def s3_server(base: Path) -> tuple[Any, str | None]:
     """A started versitygw and None, or None and why S3 is skipped."""
-    from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer, versitygw_binary
+    from baton_testing.s3 import REGION, VersityServer, client_env, versitygw_binary
 
     try:
         binary = versitygw_binary()
@@ -185,11 +185,7 @@ def s3_server(base: Path) -> tuple[Any, str | None]:
         return None, f"no versitygw binary ({e}); `make build` builds it"
     server = VersityServer(binary=binary, root=tempfile.mkdtemp(dir=base, prefix="versitygw-"))
     server.start()
-    os.environ.update(
-        AWS_ENDPOINT_URL_S3=server.endpoint, AWS_ACCESS_KEY_ID=FAKE_KEY_ID,
-        AWS_SECRET_ACCESS_KEY=FAKE_SECRET, AWS_REGION=REGION,
-        AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-    )  # fmt: skip
+    os.environ.update(client_env(server.endpoint))
     import boto3
 
     boto3.client("s3", endpoint_url=server.endpoint, region_name=REGION).create_bucket(

@@ -168,6 +168,15 @@ def _plan(selected: list[_Planned], limit: int) -> list[list[_Planned]]:
     return shards
 
 
+def _manifest_of(storage: Storage, step: int | None) -> tuple[int, Any]:
+    """``step`` (default: the newest complete one) and its manifest, for an export."""
+    if step is None:
+        step = api.latest_step(storage)
+        if step is None:
+            raise HfExportError(f"no complete checkpoint under {storage.uri}: nothing to export")
+    return step, api.read_manifest(storage, step)
+
+
 def _select(manifest: Any, prefix: str, step: int) -> list[_Planned]:
     selected: list[_Planned] = []
     for key, entry in manifest.tensors.items():
@@ -312,11 +321,7 @@ def export_hf(
         raise HfExportError("config and weights_only=True contradict each other: pass one")
     config_text = _config_json(config) if config is not None else None
     storage = open_storage(uri)  # once: an S3 root gets one client for the whole export
-    if step is None:
-        step = api.latest_step(storage)
-        if step is None:
-            raise HfExportError(f"no complete checkpoint under {storage.uri}: nothing to export")
-    manifest = api.read_manifest(storage, step)
+    step, manifest = _manifest_of(storage, step)
     selected = _select(manifest, prefix, step)
     shards = _plan(selected, limit)
     total = sum(item.nbytes for item in selected)
@@ -413,11 +418,7 @@ def export_peft_adapter(
     # as PeftModel.save_pretrained writes it (from_pretrained sets it again from is_trainable)
     doc = {**doc, "inference_mode": True}
     storage = open_storage(uri)
-    if step is None:
-        step = api.latest_step(storage)
-        if step is None:
-            raise HfExportError(f"no complete checkpoint under {storage.uri}: nothing to export")
-    manifest = api.read_manifest(storage, step)
+    step, manifest = _manifest_of(storage, step)
     segment = f".{adapter_name}"
     selected = [
         _Planned(key=item.key, name=_peft_name(item.name, segment), nbytes=item.nbytes)

@@ -665,16 +665,25 @@ def versitygw_s3(_s3_servers: _Servers) -> S3Server:
     return _s3_servers.get("versitygw")
 
 
+def client_env(endpoint: str) -> dict[str, str]:
+    """The environment that points S3 clients (boto3, the SDK, s3torchconnector) at a local
+    server ``endpoint`` with the fake credentials, and never at a developer's ~/.aws files
+    (the fixtures below and the benchmarks in bench/ set it)."""
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_REGION": REGION,
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+
+
 def _set_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
-    monkeypatch.setenv("AWS_REGION", REGION)
+    for var, value in client_env(endpoint).items():
+        monkeypatch.setenv(var, value)
     for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(var, raising=False)
-    # Never read a developer's ~/.aws files in tests.
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
 
 def _new_bucket(server: S3Server) -> tuple[str, Any]:
