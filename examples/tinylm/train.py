@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import math
@@ -302,12 +303,17 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps({"event": "done", "step": args.steps, "sha256": digest}) + "\n")
     if log:
         log.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     # EX_TEMPFAIL after an emergency save: the operator then knows this rank stopped for a
     # notice and will resume it, rather than count it as finished (docs/contracts.md); 76
     # after a commit to the memory tier, whose pods are kept and restart in place.
-    return ckpt.exit_code if stopped_early else 0
+    code = ckpt.exit_code if stopped_early else 0
+    if dist.is_initialized():
+        # DDP (and the Checkpointer, which holds it) goes before the process group: see
+        # docs/checkpointer.md, after the loop example (a hang at exit otherwise).
+        del ckpt, model
+        gc.collect()
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ The sidecar tests and the demo reuse it as their trainer.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,12 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.result:
             Path(args.result).write_text(json.dumps(result, indent=1))
         print(f"FINAL_SHA256 {params}", flush=True)
-    if world_size > 1:
-        dist.destroy_process_group()
     # docs/contracts.md: a rank that stopped after an emergency save exits EX_TEMPFAIL, so the
     # operator never mistakes it for a finished (or failed) rank; after a notice's commit to
     # the memory tier, 76: its pod is kept and the trainer restarts in place.
-    return ckpt.exit_code if stopped else 0
+    code = ckpt.exit_code if stopped else 0
+    if world_size > 1:
+        # Free DDP (and the Checkpointer, which holds it) before the process group, as
+        # docs/checkpointer.md tells users: a DDP reducer that outlives destroy_process_group
+        # is the last owner of the group, and frees it holding the GIL while a gloo worker may
+        # need the GIL to drop its last work (a hang at exit, seen in a 4-rank run).
+        ddp = weakref.ref(model) if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        del ckpt, model, plain
+        gc.collect()
+        assert ddp is None or ddp() is None, "the DDP module outlived its last reference"
+        dist.destroy_process_group()
+    return code
 
 
 # ---- launching it from tests -------------------------------------------------------------
