@@ -18,6 +18,15 @@ Outputs:
   sha256 digests of the parameters and of the optimizer, scheduler and scaler state.
 * stdout (rank 0): ``FINAL_SHA256 <digest of parameters>``.
 
+A LoRA-shaped job (a fine-tune on a frozen base, issue 27): ``--lora-rank R`` freezes the first
+layer (``requires_grad=False``) and trains a rank-``R`` low-rank adapter beside it
+(``W x + B A x``, ``B`` zero at the start, as LoRA does) and the head; ``--frozen-base-mib N``
+(with ``--lora-rank``) adds a frozen embedding table of about ``N`` MiB (float32 rows of 8) to
+the base, one row of which each sample reads (chosen from its features), so that the base is
+large, frozen and really used while a step still costs little. The base is drawn from its own
+generator, so the run is as deterministic as the default one; without these options the model
+(and every RNG stream) is the default one. The operator's LoRA notice test runs it.
+
 :func:`launch` starts it on N local ranks as real processes (tests kill them with real signals),
 forked from a process that imported torch once (``baton_testing.warm_start``).
 The sidecar tests and the demo reuse it as their trainer.
@@ -96,6 +105,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=96, help="dataset size")
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="freeze the first layer and train a LoRA adapter of this rank on it (and the head)",
+    )
+    p.add_argument(
+        "--frozen-base-mib",
+        type=float,
+        default=0.0,
+        help="with --lora-rank: a frozen embedding table of about this many MiB in the base",
+    )
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (slows the run)")
     p.add_argument("--request-at", type=int, default=None, help="request_checkpoint at this step")
@@ -107,7 +128,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="deadline of --request-at, in seconds from the request",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (seconds)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lora_rank is not None and args.lora_rank < 1:
+        p.error(f"--lora-rank {args.lora_rank}: use a positive rank")
+    if args.frozen_base_mib and args.lora_rank is None:
+        p.error("--frozen-base-mib is part of the LoRA model: add --lora-rank R")
+    if args.lora_rank is not None and args.fsdp:
+        p.error("--lora-rank runs under DDP (or alone): drop --fsdp")
+    return args
 
 
 def _sha256_tensors(items: Iterator[tuple[str, Any]]) -> str:
@@ -158,6 +186,38 @@ def _per_pod(template: str | None, rank: int) -> str | None:
     return template.replace("{rank}", str(rank)).replace("{pod}", str(pod))
 
 
+def _lora_model(hidden: int, rank: int, base_mib: float) -> Any:
+    """The LoRA-shaped model of ``--lora-rank`` (see the module docstring): a frozen base (the
+    first layer, and a frozen table of ``base_mib`` MiB) and a trainable adapter and head."""
+    import torch
+    from torch import nn
+
+    class LoRANet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            rows = int(base_mib * (1 << 20)) // (8 * 4)
+            gen = torch.Generator().manual_seed(4321)  # the "pretrained" base: its own draw
+            self.table = nn.Parameter(0.1 * torch.randn(rows, 8, generator=gen))
+            self.base = nn.Linear(8, hidden)
+            self.lora_a = nn.Parameter(0.1 * torch.randn(rank, 8, generator=gen))
+            self.lora_b = nn.Parameter(torch.zeros(hidden, rank))  # LoRA: B starts at zero
+            self.scale = 2.0 / rank
+            self.drop = nn.Dropout(0.2)
+            self.head = nn.Linear(hidden, 1)
+            for p in (self.table, *self.base.parameters()):
+                p.requires_grad_(False)
+
+        def forward(self, x: Any) -> Any:
+            if self.table.shape[0]:
+                # One row of the table per sample, picked by its (noisy) first feature.
+                row = torch.floor(x[:, 0] * 4099).long().remainder(self.table.shape[0])
+                x = x + self.table[row]
+            h = self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T * self.scale
+            return self.head(self.drop(torch.relu(h)))
+
+    return LoRANet()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     import numpy as np
@@ -201,9 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler = trainer_sdk.ResumableSampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0)
 
-    model: nn.Module = nn.Sequential(
-        nn.Linear(8, args.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.hidden, 1)
-    )
+    model: nn.Module
+    if args.lora_rank is not None:
+        model = _lora_model(args.hidden, args.lora_rank, args.frozen_base_mib)
+    else:
+        model = nn.Sequential(
+            nn.Linear(8, args.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.hidden, 1)
+        )
     if args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -215,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fully_shard(model, mesh=mesh)
     elif world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # The trained parameters only (a LoRA job's frozen base has no optimizer state).
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
 
