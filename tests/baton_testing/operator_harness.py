@@ -28,7 +28,7 @@ import urllib3
 import yaml
 from baton_operator import __main__ as operator_main
 from baton_operator import crd
-from baton_testing.cluster import LocalCluster
+from baton_testing.cluster import LocalCluster, Provider
 from baton_testing.jobs import trainer_command, trainer_env, training_job
 from baton_testing.ports import free_port
 
@@ -364,13 +364,21 @@ class Baton:
         return self.wait_for(job, done, timeout=timeout, what=f"phase {phase}")
 
     def notice_while_held(
-        self, job: str, out: Path, *, hold_at: int, replicas: int = 2
+        self,
+        job: str,
+        out: Path,
+        *,
+        hold_at: int,
+        replicas: int = 2,
+        provider: Provider = "aws",
+        grace_s: int = 40,
     ) -> tuple[str, dict[str, Any]]:
         """For a script that holds after step ``hold_at`` (each rank writes ``held-<rank>``
         into ``out`` and waits for the file ``out/release``), so that a notice always lands
-        mid-run however slow the machine: wait until every rank holds, give rank 1's node an
-        AWS spot notice, wait for the operator's checkpoint requests, release the ranks and
-        wait for the next attempt. Returns the noticed node and the status at the restart."""
+        mid-run however slow the machine: wait until every rank holds, give rank 1's node a
+        ``provider`` notice (an AWS spot one by default; the machine goes ``grace_s`` later),
+        wait for the operator's checkpoint requests, release the ranks and wait for the next
+        attempt. Returns the noticed node and the status at the restart."""
 
         def held(s: dict[str, Any]) -> bool:
             if s.get("phase") == "Failed":
@@ -379,7 +387,7 @@ class Baton:
 
         self.wait_for(job, held, timeout=300, what=f"every rank past step {hold_at}")
         node = self.node_of(job, 1)
-        self.cluster.preempt(node, provider="aws", grace_s=40)
+        self.cluster.preempt(node, provider=provider, grace_s=grace_s)
 
         def requested(s: dict[str, Any]) -> bool:
             return bool((s.get("notice") or {}).get("requestedAt"))

@@ -27,6 +27,11 @@ large, frozen and really used while a step still costs little. The base is drawn
 generator, so the run is as deterministic as the default one; without these options the model
 (and every RNG stream) is the default one. The operator's LoRA notice test runs it.
 
+``--hold-at N --hold-dir DIR``: after step ``N`` (before its checkpoint boundary) every rank
+writes ``DIR/held-<rank>`` and waits until the file ``DIR/release`` exists, so that a test's
+notice lands mid-run however slow the machine (``Baton.notice_while_held``); a run that finds
+``release`` already there (a resumed attempt) does not hold.
+
 :func:`launch` starts it on N local ranks as real processes (tests kill them with real signals),
 forked from a process that imported torch once (``baton_testing.warm_start``).
 The sidecar tests and the demo reuse it as their trainer.
@@ -128,11 +133,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="deadline of --request-at, in seconds from the request",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (seconds)")
+    p.add_argument("--hold-at", type=int, default=None, help="hold after this step (docstring)")
+    p.add_argument("--hold-dir", default=None, help="where --hold-at's files are")
     args = p.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         p.error(f"--lora-rank {args.lora_rank}: use a positive rank")
     if args.frozen_base_mib and args.lora_rank is None:
         p.error("--frozen-base-mib is part of the LoRA model: add --lora-rank R")
+    if (args.hold_at is None) != (args.hold_dir is None):
+        p.error("--hold-at and --hold-dir go together: give both or neither")
     if args.lora_rank is not None and args.fsdp:
         p.error("--lora-rank runs under DDP (or alone): drop --fsdp")
     return args
@@ -184,6 +193,23 @@ def _per_pod(template: str | None, rank: int) -> str | None:
         return None
     pod = rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return template.replace("{rank}", str(rank)).replace("{pod}", str(pod))
+
+
+HOLD_LIMIT_S = 300.0
+"""How long ``--hold-at`` waits for the test's ``release`` before it fails the rank."""
+
+
+def _hold(where: Path, rank: int) -> None:
+    """``--hold-at``: say so in ``held-<rank>`` and wait for ``release`` (see the docstring)."""
+    release = where / "release"
+    if release.exists():
+        return
+    (where / f"held-{rank}").write_text(str(os.getpid()))
+    limit = time.monotonic() + HOLD_LIMIT_S
+    while not release.exists():
+        if time.monotonic() > limit:
+            raise RuntimeError(f"held for {HOLD_LIMIT_S:g} s and {release} never appeared")
+        time.sleep(0.1)
 
 
 def _lora_model(hidden: int, rank: int, base_mib: float) -> Any:
@@ -355,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ckpt.request_checkpoint(deadline=deadline, reason="trainer --request-at")
         if args.sleep:
             time.sleep(args.sleep)
+        if step == args.hold_at:
+            _hold(Path(args.hold_dir), rank)
         if ckpt.step(step):
             stopped = True
             break
