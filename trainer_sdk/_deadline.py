@@ -11,6 +11,13 @@ The estimate is deliberately pessimistic: it uses the slowest of the recent obse
 multiplies by a safety factor, because a skipped save costs the steps since the last
 checkpoint while a save cut off by the node's end costs the same *and* the deadline.
 
+A save's time is a fixed cost (agreement, fsync, manifest) plus its bytes at the storage's
+throughput. Saves of at least :data:`LARGE_SAVE_BYTES` measure the throughput; smaller ones (an
+incremental save of a LoRA adapter writes kilobytes beside a frozen base it references)
+measure only the fixed cost, and are kept apart: dividing their few bytes by their seconds
+would read as a throughput thousands of times too low, and a notice save that must write much
+more (the periodic full rewrite, a changed buffer) would be skipped on that false estimate.
+
 With the memory tier on, a notice has a second way to commit: a snapshot into every pod's
 memory replicated to a peer on another node, measured likewise (:func:`choose_tier`); it is
 then promoted to durable storage in the background.
@@ -31,7 +38,18 @@ from trainer_sdk.storage._save_deadline import deadline_scope
 from trainer_sdk.storage.base import Storage
 from trainer_sdk.wire import Tier
 
-__all__ = ["PROBE_PREFIX", "SaveEstimator", "choose_tier", "deadline_scope", "probe_write"]
+__all__ = [
+    "LARGE_SAVE_BYTES",
+    "PROBE_PREFIX",
+    "SaveEstimator",
+    "choose_tier",
+    "deadline_scope",
+    "probe_write",
+]
+
+LARGE_SAVE_BYTES = 8 << 20
+"""A save (or probe) of at least this many bytes per rank measures throughput; a smaller one
+measures the fixed cost of a save (the probe's default size is this)."""
 
 PROBE_PREFIX = ".baton-probe"
 """Directory (under the checkpoint root) for probe objects; not a step directory, so readers
@@ -45,14 +63,17 @@ class _Observation:
 
 
 class SaveEstimator:
-    """Keeps the last few (bytes, seconds) of this rank's saves and predicts the next one."""
+    """Keeps this rank's last few saves, large and small apart, and predicts the next one."""
 
     def __init__(self, *, history: int = 5, safety: float = 1.5, fixed_s: float = 0.25) -> None:
         if history < 1:
             raise ValueError("history must be >= 1: the estimator needs one observation to use")
         if safety < 1.0:
             raise ValueError("safety must be >= 1.0: a factor below one promises saves too fast")
-        self._obs: deque[_Observation] = deque(maxlen=history)
+        # Two histories, so a run of small incremental saves never pushes the last large
+        # saves (the only measure of throughput) out.
+        self._large: deque[_Observation] = deque(maxlen=history)
+        self._small: deque[_Observation] = deque(maxlen=history)
         self._probe: _Observation | None = None
         self.safety = safety
         """Multiplier on the raw estimate (unitless)."""
@@ -71,29 +92,39 @@ class SaveEstimator:
         obs = _Observation(nbytes=nbytes, seconds=seconds)
         if probe:
             self._probe = obs
+        elif nbytes >= LARGE_SAVE_BYTES:
+            self._large.append(obs)
         else:
-            self._obs.append(obs)
+            self._small.append(obs)
 
     @property
     def measured(self) -> bool:
         """Whether there is anything (a save or a probe) to estimate from."""
-        return bool(self._obs) or self._probe is not None
+        return bool(self._large or self._small) or self._probe is not None
 
     @property
     def throughput(self) -> float | None:
-        """Bytes per second of the slowest recent save (else of the probe), or ``None``."""
-        if self._obs:
-            return min(o.nbytes / o.seconds for o in self._obs)
+        """Bytes per second of the slowest recent large save; without one, of the slowest
+        recent save, else of the probe; ``None`` when nothing was measured."""
+        saves = self._large or self._small
+        if saves:
+            return min(o.nbytes / o.seconds for o in saves)
         if self._probe is not None:
             return self._probe.nbytes / self._probe.seconds
         return None
 
     def estimate(self, nbytes: int) -> float | None:
-        """Predicted seconds to save ``nbytes``; ``None`` when nothing was measured yet."""
+        """Predicted seconds to save ``nbytes``; ``None`` when nothing was measured yet.
+
+        With a large save measured: the slowest recent small save's seconds (the fixed cost)
+        plus ``nbytes`` at the large saves' slowest throughput. Without one: ``nbytes`` at
+        the slowest throughput seen, fixed costs included (pessimistic until measured).
+        """
         tput = self.throughput
         if tput is None:
             return None
-        return self.fixed_s + self.safety * nbytes / tput
+        latency = max((o.seconds for o in self._small), default=0.0) if self._large else 0.0
+        return self.fixed_s + self.safety * (latency + nbytes / tput)
 
 
 def choose_tier(*, durable_s: float, memory_s: float, left: float | None) -> Tier | None:

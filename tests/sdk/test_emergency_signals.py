@@ -253,3 +253,23 @@ def test_estimator_uses_real_saves_over_the_probe(tmp_path: Path) -> None:
     est.record(4000, 1.0)
     assert est.throughput == pytest.approx(1000.0)
     assert est.estimate(3000) == pytest.approx(0.5 + 2.0 * 3.0)
+
+
+def test_small_incremental_saves_do_not_collapse_the_throughput() -> None:
+    """A LoRA job's first save writes its 256 MiB frozen base; every later save writes 50 kB of
+    adapter beside references to it, in a fixed 0.3 s. Before the two were kept apart, one such
+    save made the estimator read 0.17 MB/s and predict 2,232 s for a full save (measured on a
+    real 256 MiB run), so a notice save that had to rewrite the base was skipped."""
+    est = SaveEstimator(safety=1.5, fixed_s=0.25)
+    base = 256 << 20
+    est.record(base, 2.0)  # the first save: about 134 MB/s
+    for _ in range(12):  # more than the history: the large save must not be pushed out
+        est.record(50_000, 0.3)
+    assert est.throughput == pytest.approx(base / 2.0)
+    # a full rewrite: the fixed cost of the small saves plus the bytes at the large throughput
+    assert est.estimate(base) == pytest.approx(0.25 + 1.5 * (0.3 + 2.0))
+    # the next adapter-only save: essentially its fixed cost
+    assert est.estimate(50_000) == pytest.approx(0.25 + 1.5 * (0.3 + 50_000 / (base / 2.0)))
+    # a slower large save is the one that counts (the slowest wins)
+    est.record(base, 4.0)
+    assert est.estimate(base) == pytest.approx(0.25 + 1.5 * (0.3 + 4.0))
