@@ -4,7 +4,8 @@ reference check and retention used to read every kept step's manifest each time)
 deleted or rewritten behind the cache's back is never served from it.
 
 Reads are counted through a real filesystem storage (a ``LocalStorage`` that counts what it
-reads), with the real Checkpointer saving a frozen base and a trainable adapter.
+reads), with the real Checkpointer saving a frozen base and a trainable adapter; the rewrite
+and the delete are also made on S3 (boto3 over HTTP against the test server).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from baton_testing.s3 import S3Bucket
 from torch import nn
 
 from trainer_sdk import Checkpointer, _catalog, api
 from trainer_sdk._catalog import complete_steps, manifest_key, read_manifest
 from trainer_sdk.errors import IncompleteCheckpointError
+from trainer_sdk.storage import open_storage
 from trainer_sdk.storage.local import LocalStorage
 
 
@@ -122,3 +125,28 @@ def test_a_deleted_or_rewritten_step_is_not_served_from_the_cache(
     api.delete_step(storage, 1)
     with pytest.raises(IncompleteCheckpointError):
         read_manifest(storage, 1)
+
+
+def test_on_s3_a_rewritten_or_deleted_step_is_read_again(
+    s3_bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3: the token is the object's ETag and size (one HEAD); a PUT of other bytes of the
+    same size changes the ETag."""
+    uri = s3_bucket.uri("jobs/cache")
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    api.save(state, uri, step=1)
+    api.save(state, uri, step=2)
+    monkeypatch.setattr(_catalog, "_manifests", _catalog._ManifestCache())
+    storage = open_storage(uri)
+    first = read_manifest(storage, 2)
+    assert read_manifest(storage, 2) is first  # cached: the object is unchanged
+    key = f"jobs/cache/{manifest_key(2)}"
+    data = s3_bucket.get(key)
+    s3_bucket.client.put_object(
+        Bucket=s3_bucket.name, Key=key, Body=data.replace(b'"periodic"', b'"rescue!!"')
+    )
+    assert read_manifest(storage, 2).trigger == "rescue!!"
+    s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=key)
+    with pytest.raises(IncompleteCheckpointError):
+        read_manifest(storage, 2)
+    assert sorted(complete_steps(storage)) == [1]
