@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from trainer_sdk.errors import (
@@ -65,6 +67,7 @@ __all__ = [
     "read_fence",
     "read_manifest",
     "register_attempt",
+    "remember_manifest",
     "retain",
     "step_dirs",
     "unreadable",
@@ -92,28 +95,114 @@ def unreadable(e: BaseException, step: int | None, what: str) -> UnreadableCheck
     )
 
 
+class _ManifestCache:
+    """Parsed manifests of committed steps, per root (its URI), each with the storage's
+    version token of the manifest object it was parsed from.
+
+    Why: a commit reads the manifests of the kept steps several times (the fence check, the
+    reference check, retention), and parsing a manifest that lists a frozen base's tensors
+    costs milliseconds, which against a save of a small adapter is a large share.
+
+    Correctness: a committed manifest is written once (``create_exclusive``) and never in
+    place; a step is gone or rewritten only after its manifest object is deleted (retention,
+    ``delete_step``, a person) and, for a rewrite, created anew. So an entry is served only
+    when the object's version token (``Storage.version``: ETag and size on S3; device, inode,
+    size, mtime and ctime on a filesystem) is the one it was parsed from: a deleted manifest
+    has no token (IncompleteCheckpointError, as without the cache), a rewritten one another
+    token. An entry is stored only when the token was the same before and after the read, and
+    this process's own deletes drop their entries at once. Storages without ``version`` are
+    never cached. Bounded: at most :data:`_CACHED_ROOTS` roots, and a root keeps only the steps
+    its last listing still showed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._roots: OrderedDict[str, dict[int, tuple[str, Manifest]]] = OrderedDict()
+
+    def get(self, uri: str, step: int, token: str) -> Manifest | None:
+        with self._lock:
+            hit = self._roots.get(uri, {}).get(step)
+            if hit is None or hit[0] != token:
+                return None
+            self._roots.move_to_end(uri)
+            return hit[1]
+
+    def put(self, uri: str, step: int, token: str, manifest: Manifest) -> None:
+        with self._lock:
+            self._roots.setdefault(uri, {})[step] = (token, manifest)
+            self._roots.move_to_end(uri)
+            while len(self._roots) > _CACHED_ROOTS:
+                self._roots.popitem(last=False)
+
+    def drop(self, uri: str, step: int) -> None:
+        with self._lock:
+            self._roots.get(uri, {}).pop(step, None)
+
+    def keep_only(self, uri: str, steps: set[int]) -> None:
+        with self._lock:
+            cached = self._roots.get(uri)
+            if cached is not None:
+                for s in set(cached) - steps:
+                    del cached[s]
+
+
+_CACHED_ROOTS: Final = 16
+_manifests = _ManifestCache()
+
+
+def _version_of(storage: Storage) -> Callable[[str], str] | None:
+    version = getattr(storage, "version", None)
+    return version if callable(version) else None
+
+
+def remember_manifest(storage: Storage, manifest: Manifest) -> None:
+    """After this process committed ``manifest`` (its bytes are at its key now): cache it,
+    so that later commits under this root do not read it back."""
+    version = _version_of(storage)
+    if version is None:
+        return
+    try:
+        token = version(manifest_key(manifest.step))
+    except (OSError, StorageError, CheckpointError):
+        return  # only a cache: the next read reads it
+    _manifests.put(storage.uri, manifest.step, token, manifest)
+
+
 def read_manifest(where: Location, step: int) -> Manifest:
     """The validated manifest of ``step``.
 
     Raises :class:`IncompleteCheckpointError` if it never committed (no manifest object),
     :class:`ManifestError` if the manifest is bad, :class:`UnreadableCheckpointError` if it
-    cannot be read now or by this version.
+    cannot be read now or by this version. A manifest parsed before is served from the cache
+    when its object is unchanged (see :class:`_ManifestCache`): one ``version`` call, no read.
     """
     storage = open_storage(where)
     key = manifest_key(step)
+    version = _version_of(storage)
+    token: str | None = None
     try:
+        if version is not None:
+            token = version(key)
+            hit = _manifests.get(storage.uri, step, token)
+            if hit is not None:
+                return hit
         size = storage.size(key)
         if size > MAX_JSON_BYTES:
             raise ManifestError(f"manifest is {size} bytes, over the limit", path=key)
         data = storage.read_bytes(key)
+        same = version is not None and token == version(key)
     except FileNotFoundError as e:
+        _manifests.drop(storage.uri, step)
         raise IncompleteCheckpointError(
             f"step {step} under {storage.uri} has no manifest: it never committed (load an "
             "older step, or cleanup_incomplete() it)"
         ) from e
     except (OSError, StorageError) as e:
         raise unreadable(e, step, f"reading {key}") from e
-    return Manifest.parse(data, step=step, path=key)
+    manifest = Manifest.parse(data, step=step, path=key)
+    if same and token is not None:
+        _manifests.put(storage.uri, step, token, manifest)
+    return manifest
 
 
 def manifest_absent(storage: Storage, step: int) -> bool:
@@ -152,7 +241,9 @@ def complete_steps(where: Location, *, warn: bool = False) -> dict[int, Manifest
     """
     storage = open_storage(where)
     out: dict[int, Manifest] = {}
-    for s in reversed(step_dirs(storage)):  # newest first
+    dirs = step_dirs(storage)
+    _manifests.keep_only(storage.uri, set(dirs))
+    for s in reversed(dirs):  # newest first
         try:
             out[s] = read_manifest(storage, s)
         except IncompleteCheckpointError:
@@ -289,6 +380,7 @@ def delete_step(uri: Location, step: int, *, referenced: set[str] | None = None)
     if referenced is None:
         referenced = referenced_paths(complete_steps(storage), without=step)
     storage.delete(manifest_key(step))
+    _manifests.drop(storage.uri, step)
     kept = _sweep_dir(storage, step, referenced)
     if kept:
         log.info(

@@ -460,7 +460,7 @@ def commit_built_manifest(storage: Storage, manifest: Manifest, attempt: int | N
         raise _superseded(storage, step, attempt, newest)
     manifest = dataclasses.replace(manifest, attempt=attempt)
     data = manifest.to_json_bytes()
-    Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
+    parsed = Manifest.parse(data, step=step)  # never commit a manifest readers would refuse
     if manifest.referenced_steps():
         _check_references(storage, manifest)
     try:
@@ -471,6 +471,7 @@ def commit_built_manifest(storage: Storage, manifest: Manifest, attempt: int | N
             "time (its manifest is there and differs from ours); that commit stands. Two "
             "trainers are writing to one checkpoint uri: give each run its own uri"
         ) from e
+    _catalog.remember_manifest(storage, parsed)  # the next commits' checks need not read it
     return manifest
 
 

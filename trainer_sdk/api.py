@@ -93,6 +93,7 @@ __all__ = [
     "newest_attempt",
     "plan_save",
     "read_manifest",
+    "read_tree",
     "register_attempt",
     "save",
     "step_dirs",
@@ -238,5 +239,23 @@ def iter_tensors(
                 reader.read_box(key, entry, out, (0,) * len(entry.shape), entry.shape)
             reader.check()
             yield key, out
+    finally:
+        reader.close()
+
+
+def read_tree(uri: Location, step: int, *, rank: int = 0) -> Any:
+    """The JSON tree of ``rank``'s state at ``step`` as saved: the values that are not
+    tensors, tensors as ``{"__baton_tensor__": key}`` references, tagged as in
+    ``docs/format.md`` (for tools: ``export_peft_adapter`` reads the PEFT config that
+    ``BatonTrainer`` records). Checked against the manifest's digest; no tensor is read."""
+    storage = open_storage(uri)
+    manifest = read_manifest(storage, step)
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointError(
+            f"step {step} was saved by {manifest.world_size} ranks: rank {rank} has no tree"
+        )
+    reader = _Reader(storage, manifest)
+    try:
+        return reader.read_json(rank)
     finally:
         reader.close()

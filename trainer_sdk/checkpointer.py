@@ -218,6 +218,7 @@ class Checkpointer:
         )
         self._restored = RestoreInfo(step=0, tier=None, uri=None)
         self._plans = PlanCache()  # the same tensors at every save: planned once
+        self._whole_bytes = 0  # this rank's bytes of the whole state, at the last prepare
         # Incremental steps: what committed steps hold, to reference instead of rewrite.
         self._reuse = Reuse(full_every_steps=self.config.full_every_steps, group=self._group,
                             timeout=self.config.timeout.total_seconds())  # fmt: skip
@@ -579,18 +580,35 @@ class Checkpointer:
         note = self._objects.apply(state, info, step)
         if note is not None:
             self._resume_note = note
-        if storage is self.storage and self._fast is None:
+        if storage is self.storage:
+            # A durable step: the next durable save may reference what it holds. A memory
+            # snapshot's files live in fast_dir, which durable steps never reference: after a
+            # restore from one, the next durable save writes everything.
             flat = api.flatten(self._objects.for_save(step))
             self._reuse.restored(_catalog.read_manifest(storage, step), flat, self._frozen())
 
     # ---- saving ---------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
+        """Flatten and plan ``step`` for a durable save (every rank: the reuse decision is a
+        collective): the plan leaves out the tensors it references in earlier durable steps.
+        The memory tier plans the whole state of the same flat state (:meth:`_whole`)."""
         flat = api.flatten(self._objects.for_save(step))
-        plan = self._plans.plan(flat, self.rank, self.world_size)
-        if self._fast is None:  # the memory tier snapshots whole states: no references there
-            plan = self._reuse.plan(flat, plan, step, self._frozen())
-        return flat, plan
+        whole = self._whole(flat)
+        self._whole_bytes = whole.nbytes
+        return flat, self._reuse.plan(flat, whole, step, self._frozen())
+
+    def _whole(self, flat: api.FlatState) -> api.SavePlan:
+        """The plan of every tensor of ``flat``: what a memory snapshot writes. Snapshots carry
+        the frozen base, so that a recovering pod restores from a snapshot alone (planned
+        once for a loop's layout)."""
+        return self._plans.plan(flat, self.rank, self.world_size)
+
+    def _memory_estimate(self, nbytes: int) -> float:
+        """The notice's estimate of a memory commit: of the whole state's bytes, not of the
+        durable save's ``nbytes`` (which leaves out what it references)."""
+        assert self._fast is not None
+        return self._fast.notice_estimate(max(nbytes, self._whole_bytes))
 
     def _frozen(self) -> set[int]:
         return frozen_storages(self._objects.model)
@@ -651,8 +669,8 @@ class Checkpointer:
         """Stage ``step`` into the memory tier; its write and commit run in the background."""
         assert self._fast is not None
         self._register_attempt()
-        flat, plan = prepared or self._prepare(step)
-        handle = self._fast.snapshot(step, flat, plan, attempt=self._attempt)
+        flat = prepared[0] if prepared else api.flatten(self._objects.for_save(step))
+        handle = self._fast.snapshot(step, flat, self._whole(flat), attempt=self._attempt)
         log.debug("memory snapshot of step %d staged in %.3fs", step, handle.stage_seconds)
 
     def _notice_server(self) -> NoticeServer:
@@ -675,7 +693,7 @@ class Checkpointer:
             memory=None
             if self._fast is None
             else MemoryCommit(
-                estimate=self._fast.notice_estimate,
+                estimate=self._memory_estimate,
                 commit=self._commit_memory,
                 promote=self._promote,
                 uri=self._snapshot_uri,
@@ -686,8 +704,8 @@ class Checkpointer:
         """A notice's commit to the memory tier (every rank; waits for the replication)."""
         assert self._fast is not None
         self._register_attempt()
-        flat, plan = prepared
-        return self._fast.commit(step, flat, plan, attempt=self._attempt)
+        flat = prepared[0]
+        return self._fast.commit(step, flat, self._whole(flat), attempt=self._attempt)
 
     def _promote(self, step: int) -> None:
         """Promote the memory snapshot of ``step`` to the checkpoint uri in the background

@@ -6,7 +6,9 @@
                                                   stderr); exit status 1 on any corruption
     python -m trainer_sdk export-hf URI OUT (--config PATH | --weights-only) [--step N]
                                   [--max-shard-size 5GB] [--prefix P] [--overwrite]
-                                  [--adapter [NAME]] (a PEFT adapter alone, PEFT layout)
+                                  [--merge-adapter [NAME] [--adapter-config PATH]]
+    python -m trainer_sdk export-hf URI OUT --adapter [NAME] [--config PATH] [--step N] ...
+                                  (a PEFT adapter alone, in PEFT's layout)
 
 ``ls``, ``inspect`` and ``verify`` do not import torch, so they start fast on any machine that
 can reach the storage. Exit status: 0 fine, 1 corrupt or incomplete, 2 usage or nothing found,
@@ -261,11 +263,32 @@ def _parser() -> argparse.ArgumentParser:
         const="default",
         help=(
             "export the PEFT (LoRA) adapter NAME (default: 'default') alone, as "
-            "adapter_model.safetensors + adapter_config.json; --config is then the adapter's "
-            "adapter_config.json (or its folder)"
+            "adapter_model.safetensors + adapter_config.json; its config is the one "
+            "BatonTrainer saved in the checkpoint, or --config (the adapter's "
+            "adapter_config.json or its folder)"
         ),
     )
-    what = ex.add_mutually_exclusive_group(required=True)
+    ex.add_argument(
+        "--merge-adapter",
+        metavar="NAME",
+        nargs="?",
+        const="default",
+        help=(
+            "export the base model with the LoRA adapter NAME (default: 'default') merged into "
+            "its weights, under the base model's names, as PEFT's merge_and_unload() gives; "
+            "--config is the base model's config.json"
+        ),
+    )
+    ex.add_argument(
+        "--adapter-config",
+        metavar="PATH",
+        help=(
+            "with --merge-adapter: the adapter's adapter_config.json (or its folder), for a "
+            "checkpoint that holds no PEFT config"
+        ),
+    )
+    # Not required=True: an --adapter export needs neither (main() checks the others).
+    what = ex.add_mutually_exclusive_group()
     what.add_argument(
         "--config",
         help="the model's config.json (or a folder holding one), written beside the weights",
@@ -279,7 +302,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "export-hf":
+        _check_export_args(parser, args)
     try:
         code = _run(args)
         sys.stdout.flush()  # inside the try: a closed pipe fails here, not at exit
@@ -291,6 +317,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.close(devnull)
         return _EXIT_PIPE
     return code
+
+
+def _check_export_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of ``export-hf`` that argparse's groups cannot say (exit status 2)."""
+    if args.adapter is not None:
+        if args.merge_adapter is not None or args.weights_only or args.adapter_config:
+            parser.error(
+                "--adapter exports the adapter alone: drop --merge-adapter, --weights-only "
+                "and --adapter-config (--config names the adapter's adapter_config.json)"
+            )
+        return
+    if args.config is None and not args.weights_only:
+        parser.error(
+            "export-hf needs --config PATH (the model's config.json) or --weights-only; "
+            "--adapter exports a PEFT adapter alone, with its config from the checkpoint"
+        )
+    if args.adapter_config is not None and args.merge_adapter is None:
+        parser.error("--adapter-config goes with --merge-adapter (or use --adapter --config)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -25,10 +25,16 @@ A PEFT fine-tune (a ``peft.PeftModel`` saved by the Checkpointer or ``BatonTrain
 be exported as its adapter alone, in PEFT's own layout: :func:`export_peft_adapter` writes
 ``adapter_model.safetensors`` (the adapter's tensors under PEFT's names, the adapter name
 removed as ``get_peft_model_state_dict`` does) and ``adapter_config.json``, which
-``PeftModel.from_pretrained(base_model, out_dir)`` loads.
+``PeftModel.from_pretrained(base_model, out_dir)`` loads. ``BatonTrainer`` records the model's
+``peft_config`` in every save (:data:`PEFT_CONFIG_KEY`), so the checkpoint alone is enough;
+a plain Checkpointer's step needs the config passed in. ``export_hf(merge_adapter=...)``
+writes the base model with a LoRA adapter merged into its weights instead, computed as PEFT's
+``merge_and_unload()`` computes it.
 
-One module of about 600 lines: the two exports share the step lookup, the tensor selection and
-the durable writes, and the CLI's runner beside them.
+One module over 600 lines: the whole-model, adapter and merged exports share the step lookup,
+the selection of the model's tensors, the streaming into shards and the rule that a failed
+export leaves no files behind (and the CLI's runner beside them); split, each would re-import
+those private parts.
 """
 
 from __future__ import annotations
@@ -58,11 +64,13 @@ from trainer_sdk.storage import Location, Storage, open_storage
 __all__ = [
     "CONFIG_FILE",
     "DEFAULT_PREFIX",
+    "PEFT_CONFIG_KEY",
     "ExportInfo",
     "HfExportError",
     "export_hf",
     "export_peft_adapter",
     "parse_size",
+    "peft_config_doc",
     "run_export_hf",
 ]
 
@@ -78,6 +86,13 @@ ADAPTER_CONFIG_FILE: Final = "adapter_config.json"
 _ADAPTER_MARK: Final = "lora_"
 """What names an adapter tensor in a PeftModel's state dict (LoRA's A/B matrices, embeddings
 and DoRA magnitudes all carry it)."""
+PEFT_CONFIG_KEY: Final = "peft_config"
+"""Where ``BatonTrainer`` records ``model.peft_config`` (adapter name -> the JSON of its
+``adapter_config.json``): this key of its ``extra.trainer`` state, in rank 0's JSON tree."""
+_PEFT_CONFIG_PATH: Final = ("extra", "trainer", PEFT_CONFIG_KEY)
+_LORA_AB_RE: Final = re.compile(r"(.+)\.lora_([AB])\.([^.]+)\.weight")
+_PEFT_ROOT: Final = "base_model.model."
+"""A ``PeftModel``'s prefix before the wrapped model's own names."""
 _SHARD_RE: Final = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Transformers refuses safetensors files whose metadata lacks a known "format".
 _METADATA: Final = {"format": "pt"}
@@ -289,6 +304,8 @@ def export_hf(
     prefix: str = DEFAULT_PREFIX,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    merge_adapter: str | None = None,
+    adapter_config: Any = None,
 ) -> ExportInfo:
     """Write the model weights of checkpoint ``step`` (default: the newest complete one) under
     ``uri`` to ``out_dir`` as Hugging Face safetensors.
@@ -308,8 +325,17 @@ def export_hf(
         prefix: the key prefix of the model's tensors in the checkpoint, stripped on export.
         overwrite: replace an existing export in ``out_dir``.
         progress: called with (bytes written, total bytes) after every tensor.
+        merge_adapter: for a PEFT checkpoint, the LoRA adapter to merge into the base weights
+            (``W + scaling * B @ A``, as PEFT's ``merge_and_unload()``): the export is the
+            base model under its own names, ``config`` the base model's config. Plain LoRA on
+            linear layers only; DoRA, LoRA biases, embedding/conv adapters, per-module rank or
+            alpha patterns and ``modules_to_save`` are refused (export the adapter with
+            :func:`export_peft_adapter` and merge with PEFT).
+        adapter_config: the adapter's config for ``merge_adapter``, as in
+            :func:`export_peft_adapter`; default: the one ``BatonTrainer`` saved.
 
-    Memory: at most one output shard (or one tensor, when a tensor is larger than a shard).
+    Memory: at most one output shard (or one tensor, when a tensor is larger than a shard),
+    plus the merged adapter's A and B matrices.
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size)
@@ -325,7 +351,16 @@ def export_hf(
     config_text = _config_json(config) if config is not None else None
     storage = open_storage(uri)  # once: an S3 root gets one client for the whole export
     step, manifest = _manifest_of(storage, step)
-    selected = _select(manifest, prefix, step)
+    merge = None
+    if merge_adapter is not None:
+        merge = _LoraMerge.plan(
+            storage, manifest, step, prefix=prefix, adapter=merge_adapter, config=adapter_config
+        )
+        selected = merge.selected
+    elif adapter_config is not None:
+        raise HfExportError("adapter_config goes with merge_adapter= (or export_peft_adapter)")
+    else:
+        selected = _select(manifest, prefix, step)
     shards = _plan(selected, limit)
     total = sum(item.nbytes for item in selected)
     if len(shards) == 1:
@@ -355,6 +390,7 @@ def export_hf(
             filenames=filenames,
             total=total,
             progress=progress,
+            transform=merge.apply if merge is not None else None,
         )
         if len(shards) > 1:
             shard_of = {item.key: i for i, shard in enumerate(shards) for item in shard}
@@ -391,7 +427,7 @@ def export_peft_adapter(
     out_dir: str | os.PathLike[str],
     step: int | None = None,
     *,
-    adapter_config: Any,
+    adapter_config: Any = None,
     adapter_name: str = "default",
     prefix: str = DEFAULT_PREFIX,
     overwrite: bool = False,
@@ -403,23 +439,14 @@ def export_peft_adapter(
     Args:
         adapter_config: the adapter's config: ``model.peft_config["default"]`` (any object
             with ``to_dict()``), a dict, or the path of an ``adapter_config.json`` (or of a
-            folder holding one). The checkpoint does not hold it.
+            folder holding one). Default: the config ``BatonTrainer`` saved in the step
+            (:data:`PEFT_CONFIG_KEY`); a step without one is refused, asking for it.
         adapter_name: the adapter to export (PEFT's default adapter is ``"default"``).
         The rest as in :func:`export_hf`. The adapter is written as one file (adapters are
         small; it is held in memory once).
     """
     started = time.perf_counter()
-    doc = _json_doc(adapter_config, ADAPTER_CONFIG_FILE)
-    beyond = _beyond_lora_matrices(doc)
-    if beyond:
-        raise HfExportError(
-            f"the adapter {adapter_name!r} also trains {beyond}, which PEFT saves beside the "
-            "LoRA matrices and this export does not write (the adapter would load without "
-            "them): load the step into the PeftModel (Checkpointer.restore, or api.load) and "
-            "call model.save_pretrained(out_dir)"
-        )
-    # as PeftModel.save_pretrained writes it (from_pretrained sets it again from is_trainable)
-    doc = {**doc, "inference_mode": True}
+    given = _json_doc(adapter_config, ADAPTER_CONFIG_FILE) if adapter_config is not None else None
     storage = open_storage(uri)
     step, manifest = _manifest_of(storage, step)
     segment = f".{adapter_name}"
@@ -436,6 +463,17 @@ def export_peft_adapter(
             f"{prefix!r} (adapters found: {names or 'none'}): export the model with export_hf, "
             "or pass adapter_name= (CLI: --adapter NAME) of one of the adapters found"
         )
+    doc = given if given is not None else _saved_peft_config(storage, step, adapter_name)
+    beyond = _beyond_lora_matrices(doc)
+    if beyond:
+        raise HfExportError(
+            f"the adapter {adapter_name!r} also trains {beyond}, which PEFT saves beside the "
+            "LoRA matrices and this export does not write (the adapter would load without "
+            "them): load the step into the PeftModel (Checkpointer.restore, or api.load) and "
+            "call model.save_pretrained(out_dir)"
+        )
+    # as PeftModel.save_pretrained writes it (from_pretrained sets it again from is_trainable)
+    doc = {**doc, "inference_mode": True}
     out = Path(out_dir)
     existing = [p for p in (out / ADAPTER_FILE, out / ADAPTER_CONFIG_FILE) if p.exists()]
     if existing and not overwrite:
@@ -504,6 +542,136 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def peft_config_doc(config: Any) -> dict[str, Any]:
+    """A PEFT adapter config (``model.peft_config[name]``, a dict, or an
+    ``adapter_config.json``) as the JSON object its ``adapter_config.json`` holds."""
+    doc = _json_doc(config, ADAPTER_CONFIG_FILE)
+    try:
+        parsed = json.loads(json.dumps(doc, default=_jsonable))
+    except (TypeError, ValueError) as e:
+        raise HfExportError(f"the adapter config cannot be written as JSON: {e}") from e
+    assert isinstance(parsed, dict)
+    return parsed
+
+
+def _saved_peft_config(storage: Storage, step: int, adapter_name: str) -> dict[str, Any]:
+    """The config of ``adapter_name`` that ``BatonTrainer`` recorded in ``step``."""
+    node: Any = api.read_tree(storage, step)
+    for part in _PEFT_CONFIG_PATH:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or not node:
+        raise HfExportError(
+            f"step {step} holds no PEFT config (BatonTrainer records model.peft_config in "
+            "every save of a PEFT model; a plain Checkpointer or an older Baton does not): "
+            f"pass adapter_config=model.peft_config[{adapter_name!r}] or the path of its "
+            "adapter_config.json (CLI: --config with --adapter, --adapter-config with "
+            "--merge-adapter)"
+        )
+    found = node.get(adapter_name)
+    if not isinstance(found, dict):
+        raise HfExportError(
+            f"step {step} holds the PEFT config of the adapters {sorted(node)}, not of "
+            f"{adapter_name!r}: pass adapter_name= (CLI: --adapter NAME) of one of those"
+        )
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _LoraMerge:
+    """What ``export_hf(merge_adapter=...)`` writes: the base tensors under the base model's
+    names, and the LoRA matrices to add to some of them."""
+
+    selected: list[_Planned]
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Checkpoint key of a base weight -> that layer's (A, B)."""
+    scaling: float
+    fan_in_fan_out: bool
+
+    @staticmethod
+    def plan(
+        storage: Storage, manifest: Any, step: int, *, prefix: str, adapter: str, config: Any
+    ) -> _LoraMerge:
+        doc = (
+            _json_doc(config, ADAPTER_CONFIG_FILE)
+            if config is not None
+            else _saved_peft_config(storage, step, adapter)
+        )
+        unsupported = [
+            k
+            for k in ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save")
+            if doc.get(k)
+        ]
+        if doc.get("peft_type") != "LORA" or unsupported:
+            raise HfExportError(
+                f"the adapter {adapter!r} is {doc.get('peft_type')!r}"
+                + (f" with {unsupported}" if unsupported else "")
+                + ": merge_adapter merges plain LoRA only; export the adapter with "
+                "export_peft_adapter (CLI: --adapter) and merge it with PEFT's merge_and_unload()"
+            )
+        r, alpha = doc["r"], doc["lora_alpha"]
+        # PEFT's LoraLayer.update_layer
+        scaling = alpha / math.sqrt(r) if doc.get("use_rslora") else alpha / r
+        pairs: dict[str, dict[str, str]] = {}
+        kept: list[_Planned] = []
+        for item in _select(manifest, prefix, step):
+            m = _LORA_AB_RE.fullmatch(item.name)
+            if m is not None:
+                if m.group(3) == adapter:
+                    pairs.setdefault(m.group(1), {})[m.group(2)] = item.key
+                continue  # another adapter's matrices are not part of the merged model
+            other = _ADAPTER_RE.search(item.name)
+            if other is not None and other.group(1) != adapter:
+                continue
+            if other is not None or ".modules_to_save." in item.name:
+                raise HfExportError(
+                    f"{item.key!r} is not a LoRA A/B matrix of a linear layer: merge_adapter "
+                    "cannot merge it; export the adapter with export_peft_adapter (CLI: "
+                    "--adapter) and merge it with PEFT's merge_and_unload()"
+                )
+            name = item.name.removeprefix(_PEFT_ROOT).replace(".base_layer.", ".")
+            kept.append(_Planned(key=item.key, name=name, nbytes=item.nbytes))
+        if not pairs:
+            raise HfExportError(
+                f"step {step} holds no LoRA matrices of an adapter named {adapter!r} under "
+                f"{prefix!r}: export it with export_hf without merge_adapter"
+            )
+        base_key = {m: f"{prefix}{m}.base_layer.weight" for m in pairs}
+        lacking = [m for m, ab in pairs.items() if set(ab) != {"A", "B"}]
+        lacking += [m for m in pairs if base_key[m] not in manifest.tensors]
+        if lacking:
+            raise HfExportError(
+                f"LoRA layers without their A, B and base_layer.weight: {lacking[:3]}: the "
+                "step is not a PEFT LoRA model's state dict; export it without merge_adapter"
+            )
+        names = [item.name for item in kept]
+        if len(set(names)) != len(names):
+            raise HfExportError("the merged names collide: the step holds more than one model")
+        wanted = {k for ab in pairs.values() for k in ab.values()}
+        read = dict(api.iter_tensors(storage, step=step, keys=wanted))
+        return _LoraMerge(
+            selected=kept,
+            lora={base_key[m]: (read[ab["A"]], read[ab["B"]]) for m, ab in pairs.items()},
+            scaling=scaling,
+            fan_in_fan_out=bool(doc.get("fan_in_fan_out")),
+        )
+
+    def apply(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` merged as PEFT's LoRA ``Linear.get_delta_weight`` and ``merge()`` do it,
+        operation for operation (fp16/bf16 in float32, as PEFT does on the CPU)."""
+        ab = self.lora.get(key)
+        if ab is None:
+            return weight
+        a, b = ab
+        cast = b.dtype in (torch.float16, torch.bfloat16)
+        delta = b.float() @ a.float() if cast else b @ a
+        if self.fan_in_fan_out:
+            delta = delta.T
+        delta = delta * self.scaling
+        if cast:
+            delta = delta.to(b.dtype)
+        return (weight + delta).to(weight.dtype)  # PEFT adds in place: weight.data += delta
+
+
 def _stream_shards(
     storage: Storage,
     step: int,
@@ -513,6 +681,7 @@ def _stream_shards(
     filenames: list[str],
     total: int,
     progress: Callable[[int, int], None] | None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     # The reader yields tensors in manifest order, which is the order the plan was cut in, so
     # shards fill one after another and only the one being filled is held.
@@ -525,7 +694,7 @@ def _stream_shards(
         index = shard_of[key]
         # api.iter_tensors yields each selected tensor once, in manifest order
         assert index == current, f"{key!r} came out of manifest order"
-        pending[name_of[key]] = tensor
+        pending[name_of[key]] = transform(key, tensor) if transform is not None else tensor
         done += tensor.numel() * tensor.element_size()
         if len(pending) == len(shards[current]):
             _write_shard(out / filenames[current], pending)
@@ -559,11 +728,6 @@ def run_export_hf(args: argparse.Namespace) -> int:
 
     try:
         if args.adapter is not None:
-            if args.config is None:
-                raise HfExportError(
-                    "--adapter needs --config with the adapter's adapter_config.json (or its "
-                    "folder): the checkpoint does not hold the adapter's config"
-                )
             info = export_peft_adapter(
                 args.uri,
                 args.out,
@@ -589,6 +753,8 @@ def run_export_hf(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             overwrite=args.overwrite,
             progress=report,
+            merge_adapter=args.merge_adapter,
+            adapter_config=args.adapter_config,
         )
     except BatonError as e:
         progress.done()
@@ -598,6 +764,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     print(
         f"exported step {info.step}: {info.tensors} tensors, {info.total_size} bytes, "
         f"{len(info.files)} file(s)"
+        + (f", adapter {args.merge_adapter!r} merged" if args.merge_adapter else "")
         + (" and config.json" if info.config else " (weights only, no config.json)")
         + f" in {info.out_dir} ({info.seconds:.1f}s)"
     )

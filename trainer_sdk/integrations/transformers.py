@@ -23,7 +23,8 @@ extension points, read from its source):
   and not passed through ``accelerator.prepare`` (whose batch sharding would split it again).
 * ``_prepare_for_training`` (after the model, optimizer and scheduler exist) builds a
   :class:`~trainer_sdk.Checkpointer` over model, optimizer, LR scheduler, grad scaler, sampler,
-  the ``TrainerState`` and the loss accumulators, and restores the newest complete step.
+  the ``TrainerState`` and the loss accumulators (and a PEFT model's ``peft_config``, written
+  for ``export-hf --adapter`` and never read back), and restores the newest complete step.
 * ``_run_epoch``: the resumed epoch runs as the Trainer's own resume does (same step counters,
   same gradient-accumulation boundaries) except that no batch is skipped by iterating: the
   sampler is already at the next sample. Epochs finished before the checkpoint are passed over.
@@ -61,6 +62,8 @@ from transformers.trainer_utils import seed_worker
 from trainer_sdk import rng
 from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
+from trainer_sdk.hf import PEFT_CONFIG_KEY as _PEFT_CONFIG
+from trainer_sdk.hf import peft_config_doc
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.sampler import ResumableSampler
 from trainer_sdk.wire import Trigger
@@ -247,7 +250,8 @@ class BatonTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]  # Train
                 "BatonTrainerMixin.get_train_dataloader(self)'s loader (or one built the same way)"
             )
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        extra: dict[str, Any] = {"trainer": _TrainerProgress(self)}
+        progress = _TrainerProgress(self)
+        extra: dict[str, Any] = {"trainer": progress}
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             extra["scaler"] = scaler
@@ -263,9 +267,12 @@ class BatonTrainerMixin(_TrainerBase):  # type: ignore[misc,valid-type]  # Train
             **self.baton_options,
         )
         self._baton_stepped = None
-        step = self.baton.restore()
+        progress.restoring = True
+        try:
+            step = self.baton.restore()
+        finally:
+            progress.restoring = False
         if step > 0:
-            progress = extra["trainer"]
             self._apply_state(progress.loaded_state, step)
             # The streams as restored: put back again where the Trainer would reload its
             # rng_state.pth, so nothing drawn between here and that point counts.
@@ -474,6 +481,9 @@ class _TrainerProgress:
         self.loaded_state: dict[str, Any] = {}
         self.loaded_accumulators: tuple[torch.Tensor | None, float, int, float] = (None, 0, 0, 0)
         self.loaded_attributes: dict[str, Any] = {}
+        self.restoring = False
+        """True while the Checkpointer restores: the PEFT config is left out of the live
+        state then (see :func:`_peft_configs`)."""
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -488,7 +498,9 @@ class _TrainerProgress:
                 else:
                     state.stateful_callbacks[name] = cb.state()
         tr_loss = getattr(trainer, "_tr_loss", None)
+        peft = None if self.restoring else _peft_configs(trainer.model)
         return {
+            **({_PEFT_CONFIG: peft} if peft else {}),
             "state": dataclasses.asdict(state),
             "accumulators": RankLocal(
                 {
@@ -522,6 +534,21 @@ class _TrainerProgress:
                 float(acc["flos"]),
             )
             self.loaded_attributes = json.loads(acc.get("attributes", "{}"))
+
+
+def _peft_configs(model: Any) -> dict[str, Any] | None:
+    """``model.peft_config`` of a PEFT model (a ``peft.PeftModel``, or a transformers model
+    with adapters loaded), each adapter's config as the JSON of its ``adapter_config.json``;
+    None for any other model.
+
+    Saved so that ``export_peft_adapter`` (``export-hf --adapter``) can write the adapter's
+    ``adapter_config.json`` from the checkpoint alone. Written for tools and never read back:
+    while restoring it is left out of the live state, so a step saved without it (by an older
+    Baton, or before the model was wrapped) still restores under strict loading."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or not configs:
+        return None
+    return {str(name): peft_config_doc(config) for name, config in configs.items()}
 
 
 @contextlib.contextmanager

@@ -16,6 +16,11 @@ Who calls what, in which order (see ``trainer_sdk.api``):
 * Readers use :meth:`Storage.read_bytes` for small JSON files and :meth:`Storage.read_into`
   for ranges of shards, straight into the destination buffer (no extra copy).
 
+Optional: ``version(path) -> str``, a token that changes whenever the object at ``path`` is
+replaced (raises ``FileNotFoundError`` if absent). Both built-in backends have it; with it,
+the parsed manifests of committed steps are cached per root (``_catalog.read_manifest``), so
+that a commit does not read and parse every kept step's manifest again.
+
 Paths are ``str`` keys relative to the storage root, with ``/`` separators, never absolute and
 never containing ``..``; ``trainer_sdk.layout`` validates them before they get here.
 """

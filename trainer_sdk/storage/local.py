@@ -341,6 +341,15 @@ class LocalStorage:
             raise ManifestError("is not a regular file", path=path)
         return st.st_size
 
+    def version(self, path: str) -> str:
+        """A token that changes when the object at ``path`` is replaced or written (device,
+        inode, size, modification and change times; optional in the protocol, see
+        ``_catalog.read_manifest``). Raises ``FileNotFoundError`` if absent."""
+        st = os.lstat(self._path(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError("is not a regular file", path=path)
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
     def exists(self, path: str) -> bool:
         try:
             st = os.lstat(self._path(path))

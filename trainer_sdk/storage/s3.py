@@ -582,6 +582,16 @@ class S3Storage:
             raise FileNotFoundError(2, "no such S3 object", self._uri_of(key))
         return int(head["ContentLength"])
 
+    def version(self, path: str) -> str:
+        """The object's ETag and size (one HEAD): a PUT's ETag is the MD5 of its bytes, so it
+        changes when the object is replaced with other bytes (optional in the protocol, see
+        ``_catalog.read_manifest``). Raises ``FileNotFoundError`` if absent."""
+        key = self._key(path)
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(2, "no such S3 object", self._uri_of(key))
+        return f"{head['ETag']}:{head['ContentLength']}"
+
     def exists(self, path: str) -> bool:
         return self._head(self._key(path)) is not None
 
