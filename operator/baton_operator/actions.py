@@ -26,19 +26,15 @@ from . import disruption, economics, interval, lifecycle, manifests
 from .creating import Creator
 from .errors import KubeError, SidecarUnreachableError
 from .jobstatus import StatusPatch, iso
-from .kube import Kube
 from .lifecycle import Phase, RankView
-from .metrics import Metrics
 from .model import JobSpec
-from .nodes import UNSEEN_DELETION, ClusterView
+from .nodes import UNSEEN_DELETION
 from .notices import parse_time
 from .pods import PodView, delete_grace
 from .reports import SidecarStatus
-from .settings import OperatorConfig
-from .sidecars import SidecarClient
+from .services import Room, Services
 from .tick import JobMemory, Tick
 from .vocabulary import RestartKind
-from .writing import StatusWriter
 
 __all__ = ["Actions", "interruption", "is_dns_name", "lost_pod"]
 
@@ -82,27 +78,11 @@ def interruption(t: Tick, cause: economics.Cause, *, resume_step: int | None) ->
     )  # fmt: skip
 
 
-class Actions:
+class Actions(Room):
     """Carries out what every phase does to a job's pods and status (one per operator)."""
 
-    def __init__(
-        self,
-        *,
-        kube: Kube,
-        sidecars: SidecarClient,
-        cluster: ClusterView,
-        metrics: Metrics,
-        config: OperatorConfig,
-        writer: StatusWriter,
-        creator: Creator,
-    ) -> None:
-        self._kube = kube
-        self._sidecars = sidecars
-        self._cluster = cluster
-        self._metrics = metrics
-        self._config = config
-        self._patch = writer.patch
-        self._event = writer.event
+    def __init__(self, services: Services, *, creator: Creator) -> None:
+        super().__init__(services)
         self._creator = creator
         self._node_checked: dict[str, datetime] = {}
         """When a node under an overdue pod deletion was last looked up (_gone_unseen); only

@@ -27,6 +27,9 @@ every job's ticks share (docs/contributing.md, "Operator"):
 - ``creating.py`` (a job's objects), ``replicating.py`` (the memory tier's peers) and
   ``writing.py`` (the guarded writes).
 
+Each room gets what they all use (API client, sidecar client, Node view, metrics, config,
+status writer) as one ``services.Services``, built here once.
+
 The decisions are pure functions in ``lifecycle`` (phases, budgets, verdicts, deadlines),
 ``pods`` (notices, deletes, rank views), ``reports`` (what a sidecar's answer means) and
 ``jobstatus`` (status parsing and patches); the Node watch's state comes through
@@ -60,6 +63,7 @@ from .pods import PodView, notice_for, rank_view
 from .progress import ProgressTracker
 from .recovering import Recovery
 from .replicating import PeerWiring
+from .services import Room, Services
 from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
 from .sidecars import SidecarClient
 from .suspending import Suspender
@@ -107,7 +111,7 @@ def _last_commit_time(job: Mapping[str, Any], status: JobStatus) -> float:
     return (when or _now()).timestamp()
 
 
-class Reconciler:
+class Reconciler(Room):
     """Drives TrainingJobs; shared by every job's daemon."""
 
     def __init__(
@@ -122,43 +126,28 @@ class Reconciler:
         token_for: Callable[[JobSpec], str],
         cache: WatchCache | None = None,
     ) -> None:
-        self._kube = kube
+        services = Services(
+            kube=kube, sidecars=sidecars, cluster=cluster, metrics=metrics, config=config,
+            writer=StatusWriter(kube, post_event),
+        )  # fmt: skip
+        super().__init__(services)
         self._cache = cache
         """The watch cache the ticks read from; None: every tick reads through the API."""
         self._token_for = token_for
         """The sidecar token of a job (tokens.derive under the operator's key): the operator
         never reads a job's Secret back (docs/operator.md, Security policy)."""
-        self._cluster = cluster
-        self._metrics = metrics
-        self._config = config
-        writer = StatusWriter(kube, post_event)
-        self._patch = writer.patch
-        self._event = writer.event
         self._pools = interval.PoolLedger()
         """Every job's node time and interruptions per pool, for ``everySeconds: auto``."""
-        self._creator = Creator(
-            kube=kube, config=config, token_for=token_for, writer=writer, pools=self._pools
-        )
-        self._peers = PeerWiring(sidecars=sidecars, cluster=cluster, config=config)
+        self._creator = Creator(services, token_for=token_for, pools=self._pools)
+        self._peers = PeerWiring(services)
         """What each memory-tier job's sidecars were told of their peers (replicating.py)."""
-        self._actions = Actions(
-            kube=kube, sidecars=sidecars, cluster=cluster, metrics=metrics, config=config,
-            writer=writer, creator=self._creator,
-        )  # fmt: skip
-        self._progress = ProgressTracker(
-            kube=kube, metrics=metrics, config=config, writer=writer, actions=self._actions
-        )
-        self._suspender = Suspender(
-            config=config, metrics=metrics, writer=writer, actions=self._actions
-        )
-        self._notices = NoticePath(
-            kube=kube, sidecars=sidecars, cluster=cluster, metrics=metrics, config=config,
-            writer=writer, actions=self._actions, suspender=self._suspender,
-        )  # fmt: skip
+        self._actions = Actions(services, creator=self._creator)
+        self._progress = ProgressTracker(services, actions=self._actions)
+        self._suspender = Suspender(services, actions=self._actions)
+        self._notices = NoticePath(services, actions=self._actions, suspender=self._suspender)
         self._recovery = Recovery(
-            kube=kube, cluster=cluster, metrics=metrics, config=config, writer=writer,
-            creator=self._creator, actions=self._actions, notices=self._notices,
-        )  # fmt: skip
+            services, creator=self._creator, actions=self._actions, notices=self._notices
+        )
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop counting it and drop its metric series."""

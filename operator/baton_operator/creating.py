@@ -24,12 +24,10 @@ from typing import Any, Final
 from . import interval, manifests, podpolicy
 from .errors import KubeError
 from .jobstatus import JobStatus, iso
-from .kube import Kube
 from .lifecycle import Phase
 from .model import JobSpec
-from .settings import OperatorConfig
+from .services import Room, Services
 from .tick import Tick
-from .writing import StatusWriter
 
 __all__ = ["Creator"]
 
@@ -39,24 +37,20 @@ _CREATE_BACKOFF_CEILING: Final = 60.0
 """Seconds: the longest wait between tries of a create that failed for a temporary reason."""
 
 
-class Creator:
+class Creator(Room):
     """Starts jobs and creates their pods; reports every create error on the job."""
 
     def __init__(
         self,
+        services: Services,
         *,
-        kube: Kube,
-        config: OperatorConfig,
         token_for: Callable[[JobSpec], str],
-        writer: StatusWriter,
         pools: interval.PoolLedger | None = None,
     ) -> None:
-        self._kube = kube
+        super().__init__(services)
         self._pools = pools
         """Node time and interruptions per pool (the controller's), for the interval."""
-        self._config = config
         self._token_for = token_for
-        self._writer = writer
         self._gang_served: bool | None = None
         """Whether the API server serves PodGroups: None until discovery answered."""
         self._dropped: set[tuple[str, str, int]] = set()

@@ -25,20 +25,15 @@ from . import economics, lifecycle, reports
 from .actions import Actions, interruption, is_dns_name, lost_pod
 from .errors import SidecarUnreachableError
 from .jobstatus import NO_NOTICE_REASON, NoticeRecord, iso
-from .kube import Kube
 from .lifecycle import SUSPEND_SOURCE, Phase, VerdictKind
-from .metrics import Metrics
 from .model import LastCheckpoint
-from .nodes import ClusterView
 from .notices import Notice
 from .pods import noticed_nodes
 from .reports import SidecarStatus
-from .settings import OperatorConfig
-from .sidecars import SidecarClient
+from .services import Room, Services
 from .suspending import Suspender
 from .tick import Tick
 from .vocabulary import InterruptionSource, RestartKind, Tier, Trigger
-from .writing import StatusWriter
 
 __all__ = ["NoticePath"]
 
@@ -56,28 +51,11 @@ def _notice_cause(notice: NoticeRecord | None, *, durable_at: datetime | None) -
     )  # fmt: skip
 
 
-class NoticePath:
+class NoticePath(Room):
     """Serves notices (and a suspend's save): request, poll, verdict, restart or recovery."""
 
-    def __init__(
-        self,
-        *,
-        kube: Kube,
-        sidecars: SidecarClient,
-        cluster: ClusterView,
-        metrics: Metrics,
-        config: OperatorConfig,
-        writer: StatusWriter,
-        actions: Actions,
-        suspender: Suspender,
-    ) -> None:
-        self._kube = kube
-        self._sidecars = sidecars
-        self._cluster = cluster
-        self._metrics = metrics
-        self._config = config
-        self._patch = writer.patch
-        self._event = writer.event
+    def __init__(self, services: Services, *, actions: Actions, suspender: Suspender) -> None:
+        super().__init__(services)
         self._actions = actions
         self._suspender = suspender
 

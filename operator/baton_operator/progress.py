@@ -23,37 +23,22 @@ from . import disruption, economics, reports
 from .actions import Actions
 from .errors import KubeError
 from .jobstatus import iso
-from .kube import Kube
-from .metrics import Metrics
 from .model import LastCheckpoint
 from .notices import parse_time
-from .settings import OperatorConfig
+from .services import Room, Services
 from .tick import Tick
 from .vocabulary import Tier, Trigger
-from .writing import StatusWriter
 
 __all__ = ["ProgressTracker"]
 
 _log = logging.getLogger(__name__)
 
 
-class ProgressTracker:
+class ProgressTracker(Room):
     """Learns commits, restores, restart times and goodput from the sidecars' reports."""
 
-    def __init__(
-        self,
-        *,
-        kube: Kube,
-        metrics: Metrics,
-        config: OperatorConfig,
-        writer: StatusWriter,
-        actions: Actions,
-    ) -> None:
-        self._kube = kube
-        self._metrics = metrics
-        self._config = config
-        self._patch = writer.patch
-        self._event = writer.event
+    def __init__(self, services: Services, *, actions: Actions) -> None:
+        super().__init__(services)
         self._actions = actions
         self._cost_written: dict[tuple[str, str], datetime] = {}
         """When each job's pod-deletion-cost was last written (disruption.cost_patches)."""

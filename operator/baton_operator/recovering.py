@@ -24,45 +24,28 @@ from . import economics, lifecycle, reports
 from .actions import Actions, interruption, is_dns_name, lost_pod
 from .creating import Creator
 from .jobstatus import iso
-from .kube import Kube
 from .lifecycle import Phase, RankView
-from .metrics import Metrics
-from .nodes import ClusterView
 from .notices import parse_time
 from .noticing import NoticePath
 from .pods import PodView, notice_for, restarted
 from .reports import SidecarStatus
-from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
+from .services import Room, Services
+from .settings import EMERGENCY_EXIT_CODE
 from .tick import Tick
 from .vocabulary import InterruptionSource, RestartKind, Tier
-from .writing import StatusWriter
 
 __all__ = ["Recovery"]
 
 _log = logging.getLogger(__name__)
 
 
-class Recovery:
+class Recovery(Room):
     """Begins, carries on, extends and ends recoveries; counts crashes in place."""
 
     def __init__(
-        self,
-        *,
-        kube: Kube,
-        cluster: ClusterView,
-        metrics: Metrics,
-        config: OperatorConfig,
-        writer: StatusWriter,
-        creator: Creator,
-        actions: Actions,
-        notices: NoticePath,
+        self, services: Services, *, creator: Creator, actions: Actions, notices: NoticePath
     ) -> None:
-        self._kube = kube
-        self._cluster = cluster
-        self._metrics = metrics
-        self._config = config
-        self._patch = writer.patch
-        self._event = writer.event
+        super().__init__(services)
         self._creator = creator
         self._actions = actions
         self._notices = notices

@@ -20,10 +20,8 @@ from typing import Final
 
 from . import manifests
 from .errors import SidecarUnreachableError
-from .nodes import ClusterView
 from .pods import PodView
-from .settings import OperatorConfig
-from .sidecars import SidecarClient
+from .services import Room, Services
 from .tick import Tick
 
 __all__ = ["PeerWiring"]
@@ -35,15 +33,11 @@ _RETRY_SECONDS: Final = 5.0
 must not cost every tick a request timeout (the environment's peers serve meanwhile)."""
 
 
-class PeerWiring:
+class PeerWiring(Room):
     """What each job's sidecars were last told; one per operator (the controller's)."""
 
-    def __init__(
-        self, *, sidecars: SidecarClient, cluster: ClusterView, config: OperatorConfig
-    ) -> None:
-        self._sidecars = sidecars
-        self._cluster = cluster
-        self._config = config
+    def __init__(self, services: Services) -> None:
+        super().__init__(services)
         self._sent: dict[tuple[str, str], dict[str, str]] = {}
         """(namespace, job) -> pod UID -> the body its sidecar acknowledged (JSON)."""
         self._retry_at: dict[str, float] = {}

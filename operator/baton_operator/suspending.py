@@ -19,14 +19,12 @@ from . import lifecycle, reports
 from .actions import Actions
 from .jobstatus import iso
 from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
-from .metrics import Metrics
 from .model import LastCheckpoint
 from .notices import parse_time
 from .pods import PodView
-from .settings import OperatorConfig
+from .services import Room, Services
 from .tick import Tick
 from .vocabulary import RestartKind, Trigger
-from .writing import StatusWriter
 
 __all__ = ["Suspender"]
 
@@ -41,21 +39,11 @@ def _suspended_seconds(t: Tick) -> float:
     return round(total, 1)
 
 
-class Suspender:
+class Suspender(Room):
     """Carries out ``spec.suspend`` for the controller (one per operator, shared by jobs)."""
 
-    def __init__(
-        self,
-        *,
-        config: OperatorConfig,
-        metrics: Metrics,
-        writer: StatusWriter,
-        actions: Actions,
-    ) -> None:
-        self._config = config
-        self._metrics = metrics
-        self._patch = writer.patch
-        self._event = writer.event
+    def __init__(self, services: Services, *, actions: Actions) -> None:
+        super().__init__(services)
         self._actions = actions
 
     async def begin(self, t: Tick, phase: Phase) -> None:
