@@ -68,6 +68,22 @@ class NoticeRecord:
             request_ids=tuple(str(i) for i in raw.get("requestIds") or []),
         )
 
+    @staticmethod
+    def render(
+        *, source: str, nodes: Sequence[str], reason: str, deadline: datetime, received_at: datetime
+    ) -> dict[str, Any]:
+        """``status.notice`` as it is first written, when a notice's (or a suspend's) save
+        begins; :meth:`from_status` reads it back. ``deadline`` is already clamped
+        (``lifecycle.clamp_deadline``); ``requestedAt`` and ``requestIds`` come later, with
+        the requests."""
+        return {
+            "source": source,
+            "nodes": list(nodes),
+            "reason": reason,
+            "deadline": iso(deadline),
+            "receivedAt": iso(received_at),
+        }
+
     def describe(self) -> str:
         """``source: reason``, as a checkpoint request's reason (the trainer logs it): the
         parts recorded, or :data:`NO_NOTICE_REASON` when neither is."""

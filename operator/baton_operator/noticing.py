@@ -93,13 +93,10 @@ class NoticePath(Room):
             f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
             f"before {iso(deadline)}"
         )
-        notice_status = {
-            "source": notice.source,
-            "nodes": noticed or [notice.node],
-            "reason": notice.reason,
-            "deadline": iso(deadline),
-            "receivedAt": iso(now),
-        }
+        notice_status = NoticeRecord.render(
+            source=notice.source, nodes=noticed or [notice.node], reason=notice.reason,
+            deadline=deadline, received_at=now,
+        )  # fmt: skip
         await self._patch(
             t,
             t.patch()

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import lifecycle, reports
 from .actions import Actions
-from .jobstatus import iso
+from .jobstatus import NoticeRecord, iso
 from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
 from .model import LastCheckpoint
 from .notices import parse_time
@@ -72,13 +72,10 @@ class Suspender(Room):
             f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
             f"before {iso(deadline)}, then stopping the pods"
         )
-        record = {
-            "source": SUSPEND_SOURCE,
-            "nodes": [],
-            "reason": "spec.suspend is true",
-            "deadline": iso(deadline),
-            "receivedAt": iso(now),
-        }
+        record = NoticeRecord.render(
+            source=SUSPEND_SOURCE, nodes=(), reason="spec.suspend is true", deadline=deadline,
+            received_at=now,
+        )  # fmt: skip
         await self._patch(
             t,
             t.patch()
