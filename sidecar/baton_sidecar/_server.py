@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from baton_sidecar._config import parse_peers
 from baton_sidecar._core import Sidecar
 from baton_sidecar._errors import ConfigError
-from baton_sidecar._replication import MAX_MANIFEST_BYTES, ReplicationError, Replicator
+from baton_sidecar._replica_store import MAX_MANIFEST_BYTES, ReplicationError
+from baton_sidecar._replication import Replicator
 from trainer_sdk.control import ControlError, parse_rfc3339, utcnow
 from trainer_sdk.layout import MANIFEST, Hasher, new_hasher
 
@@ -308,11 +309,11 @@ async def _put_replica(request: web.Request) -> web.Response:
         )
         if name == MANIFEST:
             data = await _read_bounded(request, MAX_MANIFEST_BYTES)
-            await asyncio.to_thread(replicator.commit_replica, source, step, data)
+            await asyncio.to_thread(replicator.store.commit_replica, source, step, data)
             return web.json_response({"complete": True, "source": source, "step": step})
         expected = request.content_length
         part, algorithm, want = await asyncio.to_thread(
-            replicator.begin_file,
+            replicator.store.begin_file,
             source,
             step,
             name,
@@ -333,7 +334,7 @@ async def _put_replica(request: web.Request) -> web.Response:
                     if size > expected:
                         break
                     _write_hashed(out, hasher, data)
-            replicator.end_file(
+            replicator.store.end_file(
                 source,
                 step,
                 name,
@@ -358,13 +359,13 @@ async def _get_replicas(request: web.Request) -> web.Response:
         replicator = _replicator(request)
     except ReplicationError as e:
         return _error(e.status, str(e))
-    return web.json_response({"holdings": await asyncio.to_thread(replicator.catalog)})
+    return web.json_response({"holdings": await asyncio.to_thread(replicator.store.catalog)})
 
 
 async def _get_replica_file(request: web.Request) -> web.StreamResponse:
     try:
         replicator = _replicator(request)
-        path = replicator.file_for_download(
+        path = replicator.store.file_for_download(
             request.match_info.get("source"), _step(request), request.match_info["name"]
         )
     except ReplicationError as e:
