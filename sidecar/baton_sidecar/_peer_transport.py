@@ -18,17 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from baton_sidecar._config import Peer, SidecarConfig
-from baton_sidecar._metrics import SidecarMetrics
+from baton_sidecar._config import Peer
 from baton_sidecar._replica_store import (
     MAX_MANIFEST_BYTES,
     PART,
     Held,
+    ReplicaStore,
     ReplicationError,
-    ReplicationStats,
 )
 from trainer_sdk.layout import MANIFEST, Manifest, new_hasher, step_dir
-from trainer_sdk.replication import REPLICA_DIR
 
 __all__ = ["PeerTransport"]
 
@@ -36,22 +34,16 @@ __all__ = ["PeerTransport"]
 class PeerTransport:
     """This pod's HTTP client to its peers' sidecars; thread-safe (no state of its own)."""
 
-    def __init__(
-        self,
-        config: SidecarConfig,
-        *,
-        token: Callable[[], str],
-        stats: ReplicationStats,
-        metrics: SidecarMetrics,
-    ) -> None:
-        assert config.fast_dir is not None
-        self.config = config
-        self.fast_dir = config.fast_dir
-        self.replica_dir = config.fast_dir / REPLICA_DIR
+    def __init__(self, store: ReplicaStore, *, token: Callable[[], str]) -> None:
+        """``store``: where a holder in this pod reads from, and whose configuration, counters
+        and metrics the transfers use."""
+        self.config = store.config
+        self.fast_dir = store.fast_dir
+        self.replica_dir = store.replica_dir
         self._token = token
-        self.stats = stats
-        self.metrics = metrics
-        self._lock = stats.lock
+        self.stats = store.stats
+        self.metrics = store.metrics
+        self._lock = store.stats.lock
 
     def connection(self, peer_address: str) -> tuple[http.client.HTTPConnection, str]:
         url = urllib.parse.urlsplit(peer_address)

@@ -76,7 +76,7 @@ class Replicator:
         self._lock = self.stats.lock
         self.store = ReplicaStore(config, stats=self.stats, metrics=metrics)
         """What this pod holds; the peers' uploads go here (``_server``)."""
-        self.transport = PeerTransport(config, token=token, stats=self.stats, metrics=metrics)
+        self.transport = PeerTransport(self.store, token=token)
         self._peers: list[Peer] = list(config.peers)
         self._replicas = config.replicas
 
