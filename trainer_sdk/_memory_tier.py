@@ -53,8 +53,9 @@ import torch
 
 from trainer_sdk import _catalog, api
 from trainer_sdk._collectives import all_gather_json, group_rank_world
+from trainer_sdk._committing import build_manifest, check_writable, commit_manifest
 from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._saving import build_manifest, check_writable, commit_manifest, write_rank
+from trainer_sdk._saving import write_rank
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,

@@ -32,8 +32,8 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from trainer_sdk._collectives import all_reduce_max
+from trainer_sdk._committing import SaveInfo
 from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
-from trainer_sdk._saving import SaveInfo
 from trainer_sdk.control import ControlChannel, Status
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.planning import FlatState, SavePlan

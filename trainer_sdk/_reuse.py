@@ -27,7 +27,7 @@ The rule, per tensor (never a guess): it is referenced only if
 
 References always name the step whose directory holds the file (never a step that references
 it in turn), so a chain is one hop long. The committer checks each referenced file against
-the committed manifests and its size (``_saving._check_references``); retention keeps
+the committed manifests and its size (``_committing._check_references``); retention keeps
 referenced files (``_catalog.retain``). A save that fails forgets the record: the next one
 writes everything again.
 """

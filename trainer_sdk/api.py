@@ -4,7 +4,8 @@ This module holds the public functions; the protocol behind them lives in one mo
 concern, each documented there:
 
 * :mod:`trainer_sdk._tree`: the tagged-JSON tree, :func:`flatten` (encoder) and its decoder;
-* :mod:`trainer_sdk._saving`: phases 3 and 4 of a save (:func:`write_rank`, :func:`commit`);
+* :mod:`trainer_sdk._saving`: phase 3 of a save (:func:`write_rank`) and the whole save;
+* :mod:`trainer_sdk._committing`: phase 4, agree and commit (:func:`commit`);
 * :mod:`trainer_sdk._loading`: verified ranged reads into the live state;
 * :mod:`trainer_sdk._catalog`: which steps exist and are complete, deletion, fencing.
 
@@ -51,17 +52,16 @@ from trainer_sdk._catalog import (
     step_dirs,
 )
 from trainer_sdk._collectives import broadcast_json, group_rank_world
-from trainer_sdk._loading import LoadInfo, Reader, classify_load_error, load_step, torch_dtype
-from trainer_sdk._saving import (
+from trainer_sdk._committing import (
     RankRecord,
     References,
     SaveInfo,
     check_writable,
     commit,
     commit_failure,
-    write_and_commit,
-    write_rank,
 )
+from trainer_sdk._loading import LoadInfo, Reader, classify_load_error, load_step, torch_dtype
+from trainer_sdk._saving import write_and_commit, write_rank
 from trainer_sdk._tree import flatten
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.layout import Manifest, step_dir

@@ -17,7 +17,7 @@ from baton_testing.s3 import S3Bucket
 from torch import nn
 
 import trainer_sdk
-from trainer_sdk import _saving, layout
+from trainer_sdk import _committing, layout
 from trainer_sdk.api import read_manifest
 from trainer_sdk.checkpointer import Checkpointer
 from trainer_sdk.cli import main as cli
@@ -139,13 +139,13 @@ def test_the_committer_refuses_a_reference_no_committed_step_backs(tmp_path: Pat
     forged = dict(m2.files)
     forged[k] = dataclasses.replace(m2.files[k], blake3="0" * 64)  # not what step 1 committed
     with pytest.raises(CheckpointError, match=r"no complete step under .* committed"):
-        _saving.commit_built_manifest(storage, as_step_3(forged), None)
+        _committing.commit_built_manifest(storage, as_step_3(forged), None)
     (tmp_path / m2.path_of(k)).rename(tmp_path / "aside")
     with pytest.raises(CheckpointError, match="which is missing"):
-        _saving.commit_built_manifest(storage, as_step_3(dict(m2.files)), None)
+        _committing.commit_built_manifest(storage, as_step_3(dict(m2.files)), None)
     assert trainer_sdk.list_steps(str(tmp_path)) == [1, 2]  # nothing was committed
     (tmp_path / "aside").rename(tmp_path / m2.path_of(k))
-    _saving.commit_built_manifest(storage, as_step_3(dict(m2.files)), None)
+    _committing.commit_built_manifest(storage, as_step_3(dict(m2.files)), None)
     assert trainer_sdk.list_steps(str(tmp_path)) == [1, 2, 3]
 
 

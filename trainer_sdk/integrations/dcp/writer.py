@@ -25,13 +25,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from trainer_sdk._committing import build_manifest, check_writable, commit_built_manifest
 from trainer_sdk._safetensors_io import PieceSource, st_dtype
-from trainer_sdk._saving import (
-    build_manifest,
-    check_writable,
-    commit_built_manifest,
-    write_shard_file,
-)
+from trainer_sdk._saving import write_shard_file
 from trainer_sdk._tree import TENSOR
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.integrations.dcp._format import (
