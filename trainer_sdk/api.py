@@ -169,6 +169,7 @@ def load(
     process_group: Any = None,
     strict: bool = True,
     timeout: float = 600.0,
+    cooperative: bool = True,
 ) -> LoadInfo:
     """Restore ``state`` in place from step ``step`` (None: the newest complete one).
 
@@ -182,6 +183,14 @@ def load(
     and if any rank fails, every rank raises the first failing rank's error (so all of them
     can fall back to an older step together). A failed load may leave ``state`` partly
     restored.
+
+    ``cooperative`` (with a group of more than one rank that can broadcast CPU tensors: gloo,
+    as the Checkpointer's own groups are): every tensor that every rank needs whole (a DDP
+    model and optimizer) is read from storage by one rank, verified there, and broadcast to
+    the others, so storage serves each byte once instead of once per rank. ``False`` reads
+    everything on every rank, as loads did before (the baseline of ``bench/restore.py``).
+    Sharded (DTensor) and rank-local values are read by their own rank either way. See
+    ``docs/checkpointer.md``.
     """
     t0 = time.perf_counter()
     if not isinstance(state, dict):
@@ -199,7 +208,7 @@ def load(
         step = int(chosen)
     return load_step(
         state, storage, step, process_group=process_group, rank=rank, world=world,
-        strict=strict, timeout=timeout, started=t0, read_run=_READ_RUN,
+        strict=strict, timeout=timeout, started=t0, read_run=_READ_RUN, cooperative=cooperative,
     )  # fmt: skip
 
 
