@@ -420,12 +420,16 @@ def load_step(
     with a group of more than one rank that can broadcast CPU tensors."""
     err: BaseException | None = None
     info: LoadInfo | None = None
-    coop = cooperative and world > 1 and _coop.supported(process_group)
+    coop_group: Any = None
+    if cooperative and world > 1 and _coop.supported(process_group):
+        import torch.distributed as dist
+
+        coop_group = dist.group.WORLD if process_group is None else process_group
     try:
         try:
             info = _load_step(
                 state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run,
-                group=process_group if coop else None, timeout=timeout,
+                group=coop_group, timeout=timeout,
             )  # fmt: skip
         except (OSError, StorageError) as e:  # I/O, permissions, throttling after every retry
             raise _catalog.unreadable(e, step, "loading it") from e

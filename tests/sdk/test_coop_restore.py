@@ -123,8 +123,9 @@ def _save_and_load(uri: str, mixed: bool, cooperative: bool) -> dict[str, Any]:
     storage = CountingStorage(uri)
     state = _state(False, mixed=mixed)
     live_big = state["model"]["big"]
-    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False,
-                    cooperative=cooperative)  # fmt: skip
+    # the default group (process_group=None) for one state, an explicit one for the other
+    group = dist.group.WORLD if mixed else None
+    info = api.load(state, storage, process_group=group, strict=False, cooperative=cooperative)
     want = _state(True, mixed=mixed)
     equal = {k: torch.equal(state["model"][k], v) for k, v in want["model"].items()}
     equal["copies"] = torch.equal(state["copies"].value, want["copies"].value)
@@ -227,3 +228,46 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_all(tmp_path: Path, faul
     if fault == "rank-2-json":  # ranks 0 and 1 stopped before reading, and name rank 2
         assert ": rank 2 failed to load step 1: " in results[0]["msg"]
         assert results[1]["msg"] == results[0]["msg"]
+
+
+def _save_only(uri: str) -> None:
+    _save(uri, True)
+
+
+def _load_resharded(uri: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from baton_testing.counting import CountingStorage
+
+    from trainer_sdk import api
+
+    storage = CountingStorage(uri)
+    state = _state(False, mixed=True)
+    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False)
+    want = _state(True, mixed=True)
+    equal = {k: torch.equal(state["model"][k], v) for k, v in want["model"].items()}
+    for k, v in want["sharded"].items():
+        equal[f"sharded.{k}"] = torch.equal(state["sharded"][k].full_tensor(), v.full_tensor())
+    return {
+        "equal": equal,
+        "resharded": info.resharded,
+        "ranged": storage.ranged,
+        "sizes": _tensor_bytes(uri),
+    }
+
+
+def test_resharded_shards_are_read_once_but_for_blocks_that_straddle_two_ranks(
+    tmp_path: Path,
+) -> None:
+    """Saved on 2 ranks, loaded on 3: each rank reads only the blocks of its own box, so the
+    only bytes read twice are the blocks that hold a boundary between two ranks' boxes (a
+    crc32 covers a whole block): at most one block per boundary, 2 boundaries per tensor."""
+    uri = str(tmp_path)
+    run_ranks(_save_only, 2, args=(uri,))
+    results = run_ranks(_load_resharded, 3, args=(uri,))
+    for r in results:
+        assert r["resharded"]
+        assert all(r["equal"].values()), r["equal"]
+    # every byte once (rank-local values: ranks 0 and 1 read their own, rank 2 had none)
+    once = sum(results[0]["sizes"].values())
+    total = sum(r["ranged"] for r in results)
+    assert once <= total <= once + 3 * 2 * BLOCK  # 3 sharded tensors, 2 boundaries each
