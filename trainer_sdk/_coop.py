@@ -35,6 +35,8 @@ that staging is at most the cooperative bytes held on CUDA.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,7 +51,16 @@ from trainer_sdk._tree import dtensor_type
 from trainer_sdk.layout import DTYPE_SIZES, Manifest, Piece
 from trainer_sdk.planning import row_range
 
-__all__ = ["SMALL", "Unit", "agree", "candidates", "plan_units", "run", "supported"]
+__all__ = [
+    "SMALL",
+    "Unit",
+    "agree",
+    "candidates",
+    "plan_units",
+    "run",
+    "supported",
+    "tensors_digest",
+]
 
 SMALL: Final = 1 << 20
 """Units smaller than this (bytes) are packed per reader into one buffer and one broadcast:
@@ -130,27 +141,45 @@ def candidates(slots: Mapping[str, Any], manifest: Manifest, *, strict: bool) ->
     return out
 
 
+def tensors_digest(manifest: Manifest) -> str:
+    """sha256 of the manifest's tensor table (keys, dtypes, shapes, pieces with their files,
+    offsets and block crc32s): equal on ranks that read the same step's bytes."""
+    h = hashlib.sha256()
+    for key, entry in manifest.tensors.items():
+        h.update(json.dumps([key, entry.to_json()], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
 def agree(
     mine: Mapping[str, Any] | None,
-    order: list[str],
+    manifest: Manifest | None,
     *,
     step: int,
     group: Any,
     timeout: float,
 ) -> list[str] | None:
-    """The keys every rank has among its candidates, in ``order`` (the manifest's); None when
-    a rank failed before this point (``mine`` is None on that rank). One collective, on every
-    rank."""
+    """The keys every rank has among its candidates, in the manifest's order; None when a rank
+    failed before this point (``mine`` and ``manifest`` are None on that rank). One collective,
+    on every rank. Ranks whose manifests differ (each reads its own copy of a step, as from
+    the memory tier's per-pod directories, and the copies are not the same) share nothing:
+    an empty list, and every rank reads for itself."""
+    order = list(manifest.tensors) if manifest is not None else []
     own = (
         {"ok": False}
-        if mine is None
-        else {"ok": True, "keys": [i for i, k in enumerate(order) if k in mine]}
+        if mine is None or manifest is None
+        else {
+            "ok": True,
+            "digest": tensors_digest(manifest),
+            "keys": [i for i, k in enumerate(order) if k in mine],
+        }
     )
     everyone = all_gather_json(
         own, group=group, timeout=timeout, what=f"load of step {step}: who reads what"
     )
     if not all(o.get("ok") for o in everyone):
         return None
+    if len({o["digest"] for o in everyone}) != 1:
+        return []
     common = set(range(len(order)))
     for o in everyone:
         common &= {int(i) for i in o["keys"]}

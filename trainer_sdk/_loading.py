@@ -524,15 +524,13 @@ def _load_step(
         except Exception:
             if group is not None:
                 # Take part in the agreement (saying this rank failed), then raise.
-                _coop.agree(None, [], step=step, group=group, timeout=timeout)
+                _coop.agree(None, None, step=step, group=group, timeout=timeout)
             raise
         filled: dict[str, torch.Tensor] = {}
         shared = 0
         if group is not None:
             assert mine is not None
-            keys = _coop.agree(
-                mine, list(manifest.tensors), step=step, group=group, timeout=timeout
-            )
+            keys = _coop.agree(mine, manifest, step=step, group=group, timeout=timeout)
             if keys is None:
                 raise _PeerFailedError(f"another rank failed to prepare the load of step {step}")
             units = _coop.plan_units(manifest, keys, world)

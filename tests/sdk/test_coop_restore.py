@@ -84,7 +84,7 @@ def _state(fill: bool, *, mixed: bool) -> dict[str, Any]:
     return state
 
 
-def _save(uri: str, mixed: bool) -> None:
+def _save(uri: str, mixed: bool, block: int = BLOCK) -> None:
     import torch.distributed as dist
 
     from trainer_sdk import api
@@ -95,9 +95,9 @@ def _save(uri: str, mixed: bool) -> None:
     flat = api.flatten(_state(True, mixed=mixed))
     plan = api.plan_save(flat, rank, world, split_bytes=SPLIT)
     record = api.write_rank(
-        storage, plan, flat.tensors(), flat.tree, step=1, flat=flat, block_size=BLOCK
+        storage, plan, flat.tensors(), flat.tree, step=1, flat=flat, block_size=block
     )
-    api.commit(storage, record, step=1, block_size=BLOCK)
+    api.commit(storage, record, step=1, block_size=block)
 
 
 def _tensor_bytes(uri: str) -> dict[str, int]:
@@ -271,3 +271,34 @@ def test_resharded_shards_are_read_once_but_for_blocks_that_straddle_two_ranks(
     once = sum(results[0]["sizes"].values())
     total = sum(r["ranged"] for r in results)
     assert once <= total <= once + 3 * 2 * BLOCK  # 3 sharded tensors, 2 boundaries each
+
+
+def _load_own_copies(a: str, b: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from baton_testing.counting import CountingStorage
+
+    from trainer_sdk import api
+
+    _save(a, False)
+    _save(b, False, block=2 * BLOCK)  # the same state, another block size: other crc32s
+    dist.barrier()
+    storage = CountingStorage(b if dist.get_rank() == 2 else a)
+    state = _state(False, mixed=False)
+    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False)
+    want = _state(True, mixed=False)
+    return {
+        "equal": all(torch.equal(state["model"][k], v) for k, v in want["model"].items()),
+        "ranged": storage.ranged,
+        "cooperative_bytes": info.cooperative_bytes,
+        "sizes": _tensor_bytes(a),
+    }
+
+
+def test_ranks_whose_copies_of_a_step_differ_each_read_their_own(tmp_path: Path) -> None:
+    """Each rank reads its own copy of the step (as from the memory tier's per-pod
+    directories); when the copies' tensor tables differ, no bytes are shared between them."""
+    results = run_ranks(_load_own_copies, 3, args=(str(tmp_path / "a"), str(tmp_path / "b")))
+    for r in results:
+        assert r["equal"]
+        assert r["cooperative_bytes"] == 0
+        assert r["ranged"] == r["sizes"]["replicated"]
