@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from baton_testing.dist import run_ranks
+from baton_testing.s3 import S3Bucket
 
 pytestmark = pytest.mark.e2e  # real processes: several torch start-ups on 2 shared cores
 
@@ -196,7 +197,9 @@ def _load_expecting_failure(uri: str, fault: str) -> dict[str, Any]:
     dist.barrier()
     state = _state(False, mixed=False)
     try:
-        api.load(state, uri, process_group=dist.group.WORLD, strict=False, timeout=60)
+        api.load(
+            state, uri, process_group=dist.group.WORLD, strict=False, timeout=60, cooperative=True
+        )
     except Exception as e:
         return {
             "type": type(e).__name__,
@@ -242,7 +245,7 @@ def _load_resharded(uri: str) -> dict[str, Any]:
 
     storage = CountingStorage(uri)
     state = _state(False, mixed=True)
-    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False)
+    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False, cooperative=True)
     want = _state(True, mixed=True)
     equal = {k: torch.equal(state["model"][k], v) for k, v in want["model"].items()}
     for k, v in want["sharded"].items():
@@ -284,7 +287,7 @@ def _load_own_copies(a: str, b: str) -> dict[str, Any]:
     dist.barrier()
     storage = CountingStorage(b if dist.get_rank() == 2 else a)
     state = _state(False, mixed=False)
-    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False)
+    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False, cooperative=True)
     want = _state(True, mixed=False)
     return {
         "equal": all(torch.equal(state["model"][k], v) for k, v in want["model"].items()),
@@ -302,3 +305,38 @@ def test_ranks_whose_copies_of_a_step_differ_each_read_their_own(tmp_path: Path)
         assert r["equal"]
         assert r["cooperative_bytes"] == 0
         assert r["ranged"] == r["sizes"]["replicated"]
+
+
+def _default_load(uri: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from baton_testing.counting import CountingStorage
+
+    from trainer_sdk import api
+
+    _save(uri, False)
+    dist.barrier()
+    storage = CountingStorage(uri)
+    state = _state(False, mixed=False)
+    info = api.load(state, storage, process_group=dist.group.WORLD, strict=False)
+    want = _state(True, mixed=False)
+    return {
+        "equal": all(torch.equal(state["model"][k], v) for k, v in want["model"].items()),
+        "ranged": storage.ranged,
+        "cooperative_bytes": info.cooperative_bytes,
+        "sizes": _tensor_bytes(uri),
+    }
+
+
+def test_by_default_s3_is_read_once_and_a_filesystem_by_every_rank(
+    tmp_path: Path, s3_bucket: S3Bucket
+) -> None:
+    """``cooperative=None``: on for S3 (one GET per byte for the group), off for a filesystem
+    (each rank's page cache and disk beat the process group; docs/performance.md)."""
+    on_s3 = run_ranks(_default_load, 3, args=(s3_bucket.uri("coop"),), timeout=240)
+    on_disk = run_ranks(_default_load, 3, args=(str(tmp_path),))
+    replicated = on_s3[0]["sizes"]["replicated"]
+    assert all(r["equal"] for r in on_s3 + on_disk)
+    assert all(r["cooperative_bytes"] == replicated for r in on_s3)
+    assert sum(r["ranged"] for r in on_s3) == replicated
+    assert all(r["cooperative_bytes"] == 0 for r in on_disk)
+    assert sum(r["ranged"] for r in on_disk) == 3 * replicated
