@@ -2,10 +2,12 @@
 
 A load reads the manifest of a complete step, then, for every tensor in the state, only the
 byte ranges that overlap what this rank holds (which is what makes a change of world size
-work), straight into the destination tensors, verifying a crc32 per block as it goes. The
-JSON tree is decoded by :class:`~trainer_sdk._tree.TreeDecoder`; this module resolves its
-tensor references. The public entry points are :func:`trainer_sdk.api.load` and
-:func:`trainer_sdk.api.iter_tensors`.
+work), straight into the destination tensors, verifying a crc32 per block as it goes. In a
+cooperative load (on S3 by default), the tensors every rank needs whole (a DDP state) are first
+read once between the ranks and broadcast (:mod:`trainer_sdk._coop`, steps 1-4 there, run from
+here before the tree is decoded). The JSON tree is decoded by
+:class:`~trainer_sdk._tree.TreeDecoder`; this module resolves its tensor references. The public
+entry points are :func:`trainer_sdk.api.load` and :func:`trainer_sdk.api.iter_tensors`.
 """
 
 from __future__ import annotations
@@ -523,8 +525,10 @@ def _load_step(
             )
         except Exception:
             if group is not None:
-                # Take part in the agreement (saying this rank failed), then raise.
-                _coop.agree(None, None, step=step, group=group, timeout=timeout)
+                # Take part in the agreement (saying this rank failed), then raise this
+                # rank's error, even if the agreement itself failed (a peer died).
+                with contextlib.suppress(Exception):
+                    _coop.agree(None, None, step=step, group=group, timeout=timeout)
             raise
         filled: dict[str, torch.Tensor] = {}
         shared = 0
