@@ -19,7 +19,8 @@ method alike, each moving the same bytes (``--gib`` of float32 in 16 tensors):
 * boto3's transfer manager with its default ``TransferConfig`` (8 MiB parts, 10 threads):
   ``upload_file`` / ``download_file`` of the same bytes as one file on tmpfs;
 * ``trainer_sdk.save`` / ``trainer_sdk.load`` (default ``S3Config``, or ``BATON_S3_*``) in one
-  process, and on 2 gloo ranks (replicated state: each rank writes half of it).
+  process, and on 2 gloo ranks (replicated state: each rank writes half of it, and reads all
+  of it: ``cooperative=False``; ``bench/restore.py`` measures the cooperative default).
 
 Where the time goes: the CPU seconds per GiB of the client (this process, or both ranks) and of
 the server (from /proc) for each method, next to the wall time. This machine has 2 cores for
@@ -251,7 +252,10 @@ def _rank_main(gib: float, runs: int, out_path: str) -> None:
 
     for run in range(runs):
         timed("sdk save, 2 ranks", functools.partial(trainer_sdk.save, state, uri, step=run + 1))
-        timed("sdk load, 2 ranks", functools.partial(trainer_sdk.load, dest, uri, step=run + 1))
+        # Every rank reads all of it (the S3 read path's throughput); bench/restore.py measures
+        # the cooperative default, where each byte is read once and broadcast.
+        load = functools.partial(trainer_sdk.load, dest, uri, step=run + 1, cooperative=False)
+        timed("sdk load, 2 ranks", load)
     for k, v in dest.items():
         assert torch.equal(v, state[k]), k
     with open(f"{out_path}.{rank}", "w") as f:

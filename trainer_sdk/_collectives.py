@@ -32,6 +32,7 @@ import torch.distributed as dist
 from trainer_sdk.errors import CollectiveTimeoutError
 
 __all__ = [
+    "Broadcasts",
     "all_gather_json",
     "all_reduce_max",
     "all_reduce_max_",
@@ -272,6 +273,42 @@ def broadcast_json(obj: Any, *, group: dist.ProcessGroup | None, timeout: float,
     work = dist.broadcast(buf, src=src, group=group, async_op=True)
     _wait(work, group=group, deadline=deadline, what=what, seq=seq, world=world, timeout=timeout)
     return json.loads(bytes(buf.cpu().numpy().tobytes()))
+
+
+class Broadcasts:
+    """A batch of in-place tensor broadcasts, each from its own source rank, started one by one
+    (so that a source can start its broadcast as soon as its bytes are ready) and finished
+    together by :meth:`wait`, bounded by ``timeout`` from the batch's creation.
+
+    Every rank must start the same broadcasts in the same order (same sizes, same sources).
+    Arrival is recorded once for the batch, so a rank that never came is named. The tensors
+    must be contiguous and on the group's device (CPU for the SDK's gloo groups).
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup | None, timeout: float, what: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.what = what
+        self.rank, self.world = group_rank_world(group)
+        self._deadline = time.monotonic() + timeout
+        self._seq = _next_seq(group)
+        self._works: list[Any] = []
+        _arrive(what, self._seq, self.rank)
+
+    def start(self, tensor: torch.Tensor, src: int) -> None:
+        """Start broadcasting ``tensor`` from group rank ``src`` into every rank's ``tensor``."""
+        glob = dist.get_global_rank(self.group, src) if self.group is not None else src
+        self._works.append(dist.broadcast(tensor, src=glob, group=self.group, async_op=True))
+
+    def wait(self) -> None:
+        """Wait for every broadcast started; raise :class:`CollectiveTimeoutError` past the
+        deadline or when a peer failed."""
+        works, self._works = self._works, []
+        for work in works:
+            _wait(
+                work, group=self.group, deadline=self._deadline, what=self.what,
+                seq=self._seq, world=self.world, timeout=self.timeout,
+            )  # fmt: skip
 
 
 # ---------------------------------------------------- numeric agreements (no payload to parse)

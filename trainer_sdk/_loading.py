@@ -2,10 +2,12 @@
 
 A load reads the manifest of a complete step, then, for every tensor in the state, only the
 byte ranges that overlap what this rank holds (which is what makes a change of world size
-work), straight into the destination tensors, verifying a crc32 per block as it goes. The
-JSON tree is decoded by :class:`~trainer_sdk._tree.TreeDecoder`; this module resolves its
-tensor references. The public entry points are :func:`trainer_sdk.api.load` and
-:func:`trainer_sdk.api.iter_tensors`.
+work), straight into the destination tensors, verifying a crc32 per block as it goes. In a
+cooperative load (on S3 by default), the tensors every rank needs whole (a DDP state) are first
+read once between the ranks and broadcast (:mod:`trainer_sdk._coop`, steps 1-4 there, run from
+here before the tree is decoded). The JSON tree is decoded by
+:class:`~trainer_sdk._tree.TreeDecoder`; this module resolves its tensor references. The public
+entry points are :func:`trainer_sdk.api.load` and :func:`trainer_sdk.api.iter_tensors`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from typing import Any
 
 import torch
 
-from trainer_sdk import _catalog
+from trainer_sdk import _catalog, _coop
 from trainer_sdk._collectives import all_gather_json
 from trainer_sdk._crc import crc32
 from trainer_sdk._safetensors_io import ST_TO_TORCH, byte_view
-from trainer_sdk._tree import TreeDecoder, as_any, dtensor_box, dtensor_type
+from trainer_sdk._tree import TreeDecoder, as_any, dtensor_box, dtensor_type, tensor_slots
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -69,6 +71,11 @@ class LoadInfo:
     """The torch version that wrote the step (the manifest's ``torch_version``)."""
     saved_attempt: int = 0
     """The attempt that committed the step (the manifest's ``attempt``)."""
+    bytes_read: int = 0
+    """Bytes of tensor data this rank read from storage (whole checksum blocks)."""
+    cooperative_bytes: int = 0
+    """Bytes of the tensors that the ranks read once between them and broadcast (see
+    ``cooperative`` in :func:`trainer_sdk.api.load`); 0 for a plain load."""
 
 
 def classify_load_error(e: BaseException) -> str:
@@ -287,12 +294,20 @@ def torch_dtype(code: str) -> torch.dtype:
 class _TensorRestorer:
     """Fills the tensors a :class:`~trainer_sdk._tree.TreeDecoder` meets, from the shards."""
 
-    def __init__(self, reader: Reader, rank: int, strict: bool) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        rank: int,
+        strict: bool,
+        filled: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.r = reader
         self.m = reader.m
         self.rank = rank
         self.strict = strict
         self.dtensor = dtensor_type()
+        self.filled = filled or {}
+        """Tensors a cooperative load already filled (``_coop.run``), by key."""
 
     def _mismatch(self, key: str, want: str, got: torch.Tensor) -> CheckpointError:
         return CheckpointError(
@@ -300,6 +315,30 @@ class _TensorRestorer:
             f"{got.dtype} {list(got.shape)}. Build the model/optimizer with the same "
             "configuration as the saved run, or load into a fresh value (strict=False)."
         )
+
+    def _from_filled(self, key: str, want: str, done: torch.Tensor, cur: Any) -> Any:
+        """``cur`` from a tensor the cooperative phase filled: the same memory in the usual
+        case; a copy when ``state_dict()`` handed the decoder another tensor than it handed
+        :func:`~trainer_sdk._tree.tensor_slots`; ``done`` itself where ``cur`` is no tensor
+        of the saved shape (as the plain path returns a fresh one)."""
+        if isinstance(cur, torch.Tensor):
+            if cur is done or (
+                cur.data_ptr() == done.data_ptr()
+                and cur.device == done.device
+                and cur.dtype == done.dtype
+                and cur.shape == done.shape
+                and cur.stride() == done.stride()
+            ):
+                _touched(cur)
+                return cur
+            if cur.shape == done.shape and cur.dtype == done.dtype:
+                with torch.no_grad():
+                    cur.copy_(done)
+                _touched(cur)
+                return cur
+            if self.strict:
+                raise self._mismatch(key, want, cur)
+        return done
 
     def tensor(self, key: str, cur: Any) -> Any:
         entry = self.m.tensors.get(key)
@@ -327,6 +366,9 @@ class _TensorRestorer:
             return out
         dt = torch_dtype(entry.dtype)
         want = f"{entry.dtype} {list(entry.shape)}"
+        done = self.filled.get(key)
+        if done is not None and not (self.dtensor is not None and isinstance(cur, self.dtensor)):
+            return self._from_filled(key, want, done, cur)
         if self.dtensor is not None and isinstance(cur, self.dtensor):
             cur = as_any(cur)
             if tuple(cur.shape) != entry.shape or cur.dtype != dt:
@@ -353,6 +395,11 @@ class _TensorRestorer:
         return out
 
 
+class _PeerFailedError(CheckpointError):
+    """Another rank failed before the cooperative reads began; its error is the one raised
+    (this rank only stops early and takes part in the outcome exchange)."""
+
+
 def load_step(
     state: dict[str, Any],
     storage: Storage,
@@ -365,18 +412,27 @@ def load_step(
     timeout: float,
     started: float,
     read_run: int,
+    cooperative: bool = False,
 ) -> LoadInfo:
     """Restore ``state`` from ``step`` on this rank; under a process group, every rank learns
     whether every other one succeeded, and raises the first failing rank's error if not (so
     that all of them can fall back to an older step together). ``started`` is the
-    ``time.perf_counter()`` at which the load began."""
+    ``time.perf_counter()`` at which the load began. ``cooperative``: read what every rank
+    needs whole once between the ranks and broadcast it (:mod:`trainer_sdk._coop`); only
+    with a group of more than one rank that can broadcast CPU tensors."""
     err: BaseException | None = None
     info: LoadInfo | None = None
+    coop_group: Any = None
+    if cooperative and world > 1 and _coop.supported(process_group):
+        import torch.distributed as dist
+
+        coop_group = dist.group.WORLD if process_group is None else process_group
     try:
         try:
             info = _load_step(
-                state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run
-            )
+                state, storage, step, rank=rank, world=world, strict=strict, read_run=read_run,
+                group=coop_group, timeout=timeout,
+            )  # fmt: skip
         except (OSError, StorageError) as e:  # I/O, permissions, throttling after every retry
             raise _catalog.unreadable(e, step, "loading it") from e
     except Exception as e:
@@ -387,6 +443,8 @@ def load_step(
         own = (
             {"ok": True}
             if err is None
+            else {"ok": False, "follow": True}
+            if isinstance(err, _PeerFailedError)
             else {
                 "ok": False,
                 "type": type(err).__name__,
@@ -398,7 +456,9 @@ def load_step(
         outcomes = all_gather_json(
             own, group=process_group, timeout=timeout, what=f"load of step {step}"
         )
-        bad = [(r, o) for r, o in enumerate(outcomes) if not o.get("ok")]
+        bad = [(r, o) for r, o in enumerate(outcomes) if not o.get("ok") and not o.get("follow")]
+        if not bad and err is not None:
+            raise CheckpointError(f"load of step {step}: a peer failed; see its log") from err
         if bad:
             r, o = bad[0]
             if err is not None and r == rank:
@@ -431,34 +491,65 @@ def _load_step(
     world: int,
     strict: bool,
     read_run: int,
+    group: Any,
+    timeout: float,
 ) -> LoadInfo:
-    manifest = _catalog.read_manifest(storage, step)
-    reader = Reader(storage, manifest, read_run=read_run)
+    """One rank's load; cooperative when ``group`` is given (then every rank runs the
+    agreement of :func:`_coop.agree` whatever happened before it, so none waits alone)."""
+    reader: Reader | None = None
     try:
-        global_tree = reader.read_json(0)
-        own_tree = (
-            global_tree
-            if rank == 0
-            else reader.read_json(rank)
-            if rank < manifest.world_size
-            else None
-        )
-        if not isinstance(global_tree, dict):
-            raise ManifestError("rank 0's JSON tree is not an object")
-        decoder = TreeDecoder(_TensorRestorer(reader, rank, strict).tensor, strict=strict)
-        if strict:
-            lost = [k for k in state if k not in global_tree]
-            if lost:
-                raise CheckpointError(
-                    f"the checkpoint of step {step} has no {lost}; pass strict=False to keep "
-                    "their current values"
-                )
+        try:
+            manifest = _catalog.read_manifest(storage, step)
+            reader = Reader(storage, manifest, read_run=read_run)
+            global_tree = reader.read_json(0)
+            own_tree = (
+                global_tree
+                if rank == 0
+                else reader.read_json(rank)
+                if rank < manifest.world_size
+                else None
+            )
+            if not isinstance(global_tree, dict):
+                raise ManifestError("rank 0's JSON tree is not an object")
+            if strict:
+                lost = [k for k in state if k not in global_tree]
+                if lost:
+                    raise CheckpointError(
+                        f"the checkpoint of step {step} has no {lost}; pass strict=False to "
+                        "keep their current values"
+                    )
+            mine = (
+                _coop.candidates(tensor_slots(state, global_tree), manifest, strict=strict)
+                if group is not None
+                else None
+            )
+        except Exception:
+            if group is not None:
+                # Take part in the agreement (saying this rank failed), then raise this
+                # rank's error, even if the agreement itself failed (a peer died).
+                with contextlib.suppress(Exception):
+                    _coop.agree(None, None, step=step, group=group, timeout=timeout)
+            raise
+        filled: dict[str, torch.Tensor] = {}
+        shared = 0
+        if group is not None:
+            assert mine is not None
+            keys = _coop.agree(mine, manifest, step=step, group=group, timeout=timeout)
+            if keys is None:
+                raise _PeerFailedError(f"another rank failed to prepare the load of step {step}")
+            units = _coop.plan_units(manifest, keys, world)
+            filled = _coop.run(
+                reader, units, mine, rank=rank, world=world, group=group, timeout=timeout
+            )
+            shared = sum(u.end - u.start for u in units)
+        decoder = TreeDecoder(_TensorRestorer(reader, rank, strict, filled).tensor, strict=strict)
         for key, g in global_tree.items():
             own = own_tree.get(key) if isinstance(own_tree, dict) else None
             state[key] = decoder.node(state.get(key), g, own, key)
         reader.check()
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
     return LoadInfo(
         step=step,
         uri=storage.uri,
@@ -468,4 +559,6 @@ def _load_step(
         missing_rank_local=decoder.missing_rank_local,
         saved_torch_version=manifest.torch_version,
         saved_attempt=manifest.attempt,
+        bytes_read=reader.bytes_read,
+        cooperative_bytes=shared,
     )

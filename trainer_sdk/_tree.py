@@ -34,7 +34,7 @@ from trainer_sdk.errors import CheckpointError, ManifestError
 from trainer_sdk.layout import Kind
 from trainer_sdk.planning import FlatEntry, FlatState
 
-__all__ = ["TreeDecoder", "as_any", "dtensor_box", "dtensor_type", "flatten"]
+__all__ = ["TreeDecoder", "as_any", "dtensor_box", "dtensor_type", "flatten", "tensor_slots"]
 
 TENSOR: Final = "__baton_tensor__"
 RANK_LOCAL: Final = "__baton_rank_local__"
@@ -288,3 +288,44 @@ class TreeDecoder:
                 for i, x in enumerate(g)
             ]
         return g
+
+
+def tensor_slots(state: Mapping[str, Any], tree: Mapping[str, Any]) -> dict[str, Any]:
+    """key -> the live value a load would fill, for every tensor reference of ``tree`` (rank
+    0's saved tree) outside RankLocal values, walking ``state`` the way
+    :meth:`TreeDecoder.node` does, but changing nothing (no ``load_state_dict``, no
+    assignment). A cooperative load uses it to know its destinations before it reads.
+
+    A Stateful object's ``state_dict()`` is called here and again by the decoder, so a
+    destination found here may be another object than the one the decoder meets (a
+    ``state_dict()`` that returns copies): the caller must check, and copy if so.
+    """
+    out: dict[str, Any] = {}
+
+    def walk(cur: Any, g: Any) -> None:
+        if isinstance(g, dict) and RANK_LOCAL in g:
+            return
+        if isinstance(cur, Stateful) and not isinstance(cur, (Mapping, torch.Tensor)):
+            cur = cur.state_dict()
+        if isinstance(g, dict) and TENSOR in g:
+            out[str(g[TENSOR])] = cur
+        elif isinstance(g, dict) and TUPLE in g:
+            items = g[TUPLE]
+            curs = list(cur) if isinstance(cur, tuple) and len(cur) == len(items) else None
+            for i, x in enumerate(items):
+                walk(curs[i] if curs else None, x)
+        elif isinstance(g, dict) and (FLOAT in g or DTYPE in g):
+            return
+        elif isinstance(g, dict):
+            pairs = list(g[DICT]) if DICT in g else list(g.items())
+            target = cur if isinstance(cur, dict) else {}
+            for k, v in pairs:
+                walk(target.get(k), v)
+        elif isinstance(g, list):
+            same = isinstance(cur, list) and len(cur) == len(g)
+            for i, x in enumerate(g):
+                walk(cur[i] if same else None, x)
+
+    for key, g in tree.items():
+        walk(state.get(key), g)
+    return out

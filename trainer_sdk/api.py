@@ -169,6 +169,7 @@ def load(
     process_group: Any = None,
     strict: bool = True,
     timeout: float = 600.0,
+    cooperative: bool | None = None,
 ) -> LoadInfo:
     """Restore ``state`` in place from step ``step`` (None: the newest complete one).
 
@@ -182,6 +183,16 @@ def load(
     and if any rank fails, every rank raises the first failing rank's error (so all of them
     can fall back to an older step together). A failed load may leave ``state`` partly
     restored.
+
+    ``cooperative``: every tensor that every rank needs whole (a DDP model and optimizer) is
+    read from storage by one rank, verified there, and broadcast to the others, so storage
+    serves each byte once instead of once per rank; with a group of more than one rank that
+    can broadcast CPU tensors (gloo, as the Checkpointer's own groups are). ``None`` (the
+    default): on for S3, off for a filesystem, where the page cache and local disks beat
+    sending the bytes over the process group (``docs/performance.md``, "Cooperative
+    restore"); ``True`` or ``False`` forces it (``True`` for a shared network filesystem).
+    Sharded (DTensor) and rank-local values are read by their own rank either way. See
+    ``docs/checkpointer.md``.
     """
     t0 = time.perf_counter()
     if not isinstance(state, dict):
@@ -197,9 +208,11 @@ def load(
         if chosen is None:
             raise CheckpointError(f"no complete checkpoint under {storage.uri}")
         step = int(chosen)
+    if cooperative is None:
+        cooperative = storage.uri.startswith("s3://")
     return load_step(
         state, storage, step, process_group=process_group, rank=rank, world=world,
-        strict=strict, timeout=timeout, started=t0, read_run=_READ_RUN,
+        strict=strict, timeout=timeout, started=t0, read_run=_READ_RUN, cooperative=cooperative,
     )  # fmt: skip
 
 

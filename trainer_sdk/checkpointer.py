@@ -576,6 +576,9 @@ class Checkpointer:
             step=step,
             process_group=self._group,
             timeout=self.config.timeout.total_seconds(),
+            # The durable tier: api.load's choice (each byte read once on S3). A memory snapshot
+            # is in each pod's own memory, where every rank reading its own copy is faster.
+            cooperative=None if storage is self.storage else False,
         )
         note = self._objects.apply(state, info, step)
         if note is not None:
