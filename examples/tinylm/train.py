@@ -211,7 +211,7 @@ class PlainCheckpoint:
         self.dir = directory
         self.every = every_steps
         self.model, self.optimizer, self.scheduler, self.rank = model, optimizer, scheduler, rank
-        self.bytes_written = 0
+        self.last_bytes = 0
         self.saves = 0
         os.makedirs(directory, exist_ok=True)
 
@@ -238,7 +238,7 @@ class PlainCheckpoint:
                 "step": step,
             }
             torch.save(state, path + ".tmp")
-            self.bytes_written += os.path.getsize(path + ".tmp")
+            self.last_bytes = os.path.getsize(path + ".tmp")
             self.saves += 1
             os.replace(path + ".tmp", path)
         return False
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tinylm: checkpointed step {step + 1} on notice; exiting", flush=True)
             break
         if log and isinstance(ckpt, PlainCheckpoint) and ckpt.saves != saves:
-            saved = {"event": "saved", "step": step + 1, "bytes": ckpt.bytes_written}
+            saved = {"event": "saved", "step": step + 1, "bytes": ckpt.last_bytes}
             log.write(json.dumps({**saved, "time": time.time()}) + "\n")
             log.flush()
     ckpt.close()
