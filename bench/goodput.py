@@ -30,10 +30,12 @@ durable storage (Baton: the objects in the bucket, with ``keepLast`` high so tha
 deleted; the baseline: the ``torch.save`` files; memory-tier snapshots are not counted);
 whether the final weights are bitwise equal to the uninterrupted run's.
 
-Usage (about 25 minutes with the defaults, binaries cached)::
+Usage (the run in docs/performance.md: 22 minutes on 2 loaded cores, binaries cached)::
 
-    .venv/bin/python bench/goodput.py --out goodput-out [--seed 30] [--mtbi 60] \\
-        [--steps 300] [--step-sleep 0.3] [--methods ...] [--schedule FILE]
+    .venv/bin/python bench/goodput.py --out goodput-out --steps 150 --step-sleep 0.3 \\
+        --every-steps 15 --mtbi 45 --min-gap 30 --seed 30 [--methods ...] [--schedule FILE]
+
+``--render OUT/goodput.json`` writes the table and the plot again from a finished run.
 
 Not a test: the figures are printed and written, never asserted (``tests/e2e/
 test_goodput_smoke.py`` runs a short version and checks only correctness).
@@ -357,9 +359,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["method"] == "checkpoint-restart"), None)
     lines = [
         "| method | interruptions | wall time | vs uninterrupted | vs checkpoint-restart | "
-        "goodput | steps recomputed | restart s (median / worst) | bytes written | "
-        "bitwise equal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "goodput | steps recomputed | restart s (median / worst) | not training | "
+        "median step | bytes written | bitwise equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rs = r["restart_s"]
@@ -368,9 +370,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         vs_base = f"{r['wall_s'] / base['wall_s']:.2f}x" if base and r["wall_s"] else "-"
         kinds = ", ".join(i["kind"] for i in r["interruptions"]) or "none"
         good = f"{100 * r['goodput']:.0f} %" if r["goodput"] else "-"
+        # Wall time minus the steps trained at this run's own median step time: start-up,
+        # restarts and waits, apart from how loaded the machine was while it trained.
+        step_s = r["median_step_s"] or 0.0
+        idle = f"{r['wall_s'] - r['steps_trained'] * step_s:.0f} s"
+        step = f"{step_s:.2f} s"
         lines.append(
             f"| {r['method']} | {len(r['interruptions'])} ({kinds}) | {r['wall_s']:.0f} s | "
             f"{vs_clean} | {vs_base} | {good} | {r['steps_recomputed']} | {restart} | "
+            f"{idle} | {step} | "
             f"{r['bytes_written'] / 2**20:.1f} MiB | {'yes' if r['bitwise_equal'] else 'no'} |"
         )
     return "\n".join(lines)
@@ -421,6 +429,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-interruptions", type=int, default=None)
     p.add_argument("--schedule", type=Path, default=None, help="replay this schedule file")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--render", type=Path, default=None,
+        help="only write goodput.md and goodput.png again from this goodput.json",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method")
     args = p.parse_args(argv)
     asked = args.methods.split(",")
@@ -439,6 +451,10 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns what it wrote to ``goodput.json``."""
     args = parse(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        render(data, args.out.resolve())
+        return data
     signal.signal(signal.SIGTERM, _on_sigterm)  # stop the cluster and the S3 server on exit
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -501,22 +517,28 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     add_goodput(rows, args.steps)
     assert schedule is not None
     data = {
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {k: str(v) for k, v in vars(args).items() if k != "render"},
         "schedule": json.loads(json.dumps(schedule, default=lambda o: o.__dict__)),
         "rows": rows,
         "seconds": time.time() - started,
     }
     (out / "goodput.json").write_text(json.dumps(data, indent=1) + "\n")
-    mix = args.mix.replace(",", "/")
+    render(data, out)
+    return data
+
+
+def render(data: dict[str, Any], out: Path) -> None:
+    """``goodput.md`` and ``goodput.png`` from what ``goodput.json`` holds."""
+    rows, args = data["rows"], data["args"]
+    mix = args["mix"].replace(",", "/")
     title = (
-        f"tinylm, 2 spot ranks, {args.steps} steps; seed {args.seed}, mean {args.mtbi:.0f}s "
-        f"between interruptions (aws/gke/none {mix}); x: interruption"
+        f"tinylm, 2 spot ranks, {args['steps']} steps; seed {args['seed']}, mean "
+        f"{float(args['mtbi']):.0f}s between interruptions (aws/gke/none {mix}); x: interruption"
     )
     plot(rows, out / "goodput.png", title)
     text = "\n".join([f"# Goodput ({title})", "", table(rows), ""])
     (out / "goodput.md").write_text(text)
     print(text)
-    return data
 
 
 def main(argv: list[str] | None = None) -> int:
