@@ -20,6 +20,13 @@ MASTER_PORT. The loss log's flag is ``--loss-log``, not ``--log``: torchrun read
 on its command line, the script's too, as an abbreviation of its own, and ``--log`` matches
 ``--log-dir`` and ``--logs-specs`` ("ambiguous option", exit 2;
 ``tests/foundation/test_tinylm_recipe.py`` runs the recipe above as written).
+
+``--plain-checkpoint-dir DIR`` turns Baton off and checkpoints the way most training scripts do
+today: every ``--plain-every-steps`` steps, rank 0 writes the model, optimizer and scheduler
+state with ``torch.save`` to ``DIR/step-N.pt``, and a restarted run resumes from the newest file
+(the data order and the random streams start afresh, as they do in such scripts). It is the
+baseline ``bench/goodput.py`` measures Baton against; none of it is Baton's checkpoint path,
+which never pickles.
 """
 
 from __future__ import annotations
@@ -177,6 +184,69 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+# --------------------------------------------------------------------------- the baseline
+
+
+class PlainCheckpoint:
+    """What a training script without Baton does: ``torch.save`` every N steps, newest wins.
+
+    Rank 0 writes ``step-N.pt`` (model, optimizer, scheduler, step) through a temporary file
+    and a rename; every rank loads the newest on start. No notice handling, no data-loader or
+    RNG state: after a restart the data order and dropout masks differ from an uninterrupted
+    run's, as they do in such scripts. The benchmark's baseline, not Baton's path.
+    """
+
+    exit_code = 0
+
+    def __init__(
+        self,
+        *,
+        directory: str,
+        every_steps: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        rank: int,
+    ) -> None:
+        self.dir = directory
+        self.every = every_steps
+        self.model, self.optimizer, self.scheduler, self.rank = model, optimizer, scheduler, rank
+        self.last_bytes = 0
+        self.saves = 0
+        os.makedirs(directory, exist_ok=True)
+
+    def restore(self) -> int:
+        files = sorted(
+            f for f in os.listdir(self.dir) if f.startswith("step-") and f.endswith(".pt")
+        )
+        if not files:
+            return 0
+        # The baseline as users write it; weights_only refuses arbitrary objects.
+        state = torch.load(os.path.join(self.dir, files[-1]), weights_only=True)  # noqa: TID251
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+    def step(self, step: int) -> bool:
+        if step % self.every == 0 and self.rank == 0:
+            path = os.path.join(self.dir, f"step-{step:08d}.pt")
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "step": step,
+            }
+            torch.save(state, path + ".tmp")
+            self.last_bytes = os.path.getsize(path + ".tmp")
+            self.saves += 1
+            os.replace(path + ".tmp", path)
+        return False
+
+    def close(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -198,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         default=float(os.environ.get("TINYLM_STEP_SLEEP", "0")),
         help="seconds to sleep per step, so that a demo has time to preempt mid-run",
     )
+    parser.add_argument(
+        "--plain-checkpoint-dir",
+        default=None,
+        help="no Baton: torch.save checkpoints to this directory (the benchmark's baseline)",
+    )
+    parser.add_argument("--plain-every-steps", type=int, default=10)
     args = parser.parse_args(argv)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -225,14 +301,25 @@ def main(argv: list[str] | None = None) -> int:
         optimizer, warmup_cosine(warmup=max(1, args.steps // 10), total=args.steps)
     )
 
-    ckpt = trainer_sdk.Checkpointer(
-        uri=args.uri,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataloader=loader,
-        every_steps=args.every_steps,
-    )
+    ckpt: trainer_sdk.Checkpointer | PlainCheckpoint
+    if args.plain_checkpoint_dir:
+        ckpt = PlainCheckpoint(
+            directory=args.plain_checkpoint_dir,
+            every_steps=args.plain_every_steps,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rank=rank,
+        )
+    else:
+        ckpt = trainer_sdk.Checkpointer(
+            uri=args.uri,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            dataloader=loader,
+            every_steps=args.every_steps,
+        )
     t0 = time.monotonic()
     start = ckpt.restore()
     restore_seconds = time.monotonic() - t0
@@ -288,11 +375,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tinylm: step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        saves = ckpt.saves if isinstance(ckpt, PlainCheckpoint) else 0
         if ckpt.step(step + 1):
             stopped_early = True
             if rank == 0:
                 print(f"tinylm: checkpointed step {step + 1} on notice; exiting", flush=True)
             break
+        if log and isinstance(ckpt, PlainCheckpoint) and ckpt.saves != saves:
+            saved = {"event": "saved", "step": step + 1, "bytes": ckpt.last_bytes}
+            log.write(json.dumps({**saved, "time": time.time()}) + "\n")
+            log.flush()
     ckpt.close()
 
     if not stopped_early and rank == 0:

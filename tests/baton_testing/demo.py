@@ -252,6 +252,9 @@ class Demo:
         self.label = "durable"
         self.job_uid = ""
         """Which path this run shows: ``durable`` (today's) or ``memory`` (the memory tier)."""
+        self.replace_after_s: Callable[[int], float] = lambda k: 0.0
+        """Seconds from the k-th interruption until its replacement node is added (the demo: at
+        once; the goodput benchmark: its schedule's delay)."""
 
     def next_run(self, label: str) -> Demo:
         """Keep this run's record (returned) and start the next one on the same cluster: a
@@ -267,8 +270,9 @@ class Demo:
     def delete_job(self) -> None:
         assert self.cluster is not None
         self.cluster.kubectl(
-            "delete", "trainingjob", JOB, "-n", JOB_NS, "--wait", "--timeout", "120s"
-        )
+            "delete", "trainingjob", JOB, "-n", JOB_NS, "--wait", "--timeout", "120s",
+            "--ignore-not-found",
+        )  # fmt: skip
         deadline = time.monotonic() + 120
         core = kubernetes.client.CoreV1Api(self.cluster.api)
         while core.list_namespaced_pod(JOB_NS, label_selector=f"baton.dev/job={JOB}").items:
@@ -457,12 +461,17 @@ class Demo:
             Interruption(kind=kind, node=node, rank=rank, at_step=step, injected_at=time.time())
         )
         # The cloud replaces lost spot capacity, as Karpenter or a node pool's autoscaler would.
-        thread = threading.Thread(target=self._replace_node, daemon=True)
+        delay = self.replace_after_s(len(self.interruptions) - 1)
+        thread = threading.Thread(
+            target=self.replace_node, args=(delay,), name="replace-node", daemon=True
+        )
         thread.start()
         self._threads.append(thread)
 
-    def _replace_node(self) -> None:
+    def replace_node(self, delay_s: float = 0.0) -> None:
+        """Add a tainted spot node, ``delay_s`` from now (what a node pool would do)."""
         assert self.cluster is not None
+        self._stop.wait(delay_s)
         try:
             node = self.cluster.add_node(spot=True)
             self.cluster.kubectl("taint", "node", node, SPOT_TAINT, "--overwrite")
@@ -472,9 +481,21 @@ class Demo:
         say(f"cluster: replacement spot node {node} is Ready")
 
     def run_job(
-        self, manifest: dict[str, Any], *, at_steps: Sequence[int], interrupt: Interrupt
+        self,
+        manifest: dict[str, Any],
+        *,
+        at_steps: Sequence[int],
+        interrupt: Interrupt,
+        due: Callable[[int, int], bool] | None = None,
+        rank_of: Callable[[int], int] | None = None,
     ) -> dict[str, Any]:
-        """Apply the job; interrupt it once per attempt at ``at_steps``; follow it to the end."""
+        """Apply the job; interrupt it once per attempt at ``at_steps``; follow it to the end.
+
+        ``due(k, step)``: whether the k-th interruption is due now (default: ``step`` reached
+        ``at_steps[k]``; ``at_steps`` still counts the interruptions). ``rank_of(k)``: whose
+        node it takes (default: rank 1, then 0, alternating). Either way the next one waits
+        until the job trains again after the last.
+        """
         assert self.cluster is not None
         cfg = self.cfg
         self.loss_log.unlink(missing_ok=True)
@@ -550,8 +571,9 @@ class Demo:
             # attempt, or the same attempt after a recovery that kept the survivors).
             resumed = k == 0 or self.interruptions[-1].resumed_step is not None
             ready = phase == "Running" and resumed and k < len(targets)
-            if ready and step >= targets[k]:
-                self._interrupt(rank=1 - k % 2, attempt=attempt, take_node=interrupt)
+            if ready and (due(k, step) if due else step >= targets[k]):
+                rank = rank_of(k) if rank_of else 1 - k % 2
+                self._interrupt(rank=rank, attempt=attempt, take_node=interrupt)
             time.sleep(0.5)
         self.final_status = status
         for event in self.interruptions:
