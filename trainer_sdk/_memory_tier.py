@@ -154,6 +154,10 @@ class MemoryTier:
     replicates (:mod:`trainer_sdk.replication`), ``local_rank`` 0 also has each committed
     snapshot copied to the peers before older ones are deleted, and fills ``fast_dir`` from
     the peers before a restore lists it.
+
+    Just over 400 lines, as one class: the snapshot, the notice's commit, the promotion and
+    the restore from memory all read and change the same few fields (the pinned step, the
+    staging buffers and savers, the peers' replicas), which a split would pass back and forth.
     """
 
     def __init__(
