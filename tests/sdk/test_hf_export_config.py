@@ -18,23 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from baton_testing.tiny_llama import tiny_llama
 
 from trainer_sdk import Checkpointer, hf
 
 
 def _trained(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        attention_dropout=0.1,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(attention_dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     model.train()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
+from baton_testing.tiny_llama import tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
@@ -23,17 +23,7 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 def _saved(tmp_path: Path, **lora: Any) -> tuple[Any, Path]:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config)
+    base = tiny_llama()
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **lora))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from baton_testing.tiny_llama import tiny_llama
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from trainer_sdk import Checkpointer, cli, hf
@@ -26,17 +27,7 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 def _base() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama()
 
 
 def _saved(tmp_path: Path, **lora: Any) -> tuple[Any, Path]:
