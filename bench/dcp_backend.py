@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from baton_testing.pagecache import drop_cache
 
 # The S3 server driver the tests use (tests/ is on the venv's path: `make venv`).
 from baton_testing.s3 import REGION, VersityServer, client_env
@@ -58,17 +59,6 @@ def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def drop_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class Table:

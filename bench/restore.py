@@ -42,20 +42,10 @@ def make_tensor(gib: float, i: int) -> torch.Tensor:
     return torch.randn(int(gib * GiB / 4 / N_TENSORS), generator=g)
 
 
-def drop_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _rank_main(uri: str, cache_root: str, gib: float, runs: int, out: str) -> None:
     import torch.distributed as dist
     from baton_testing.counting import CountingStorage
+    from baton_testing.pagecache import drop_cache
 
     import trainer_sdk
 

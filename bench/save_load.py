@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from baton_testing.pagecache import drop_cache
 from baton_testing.ports import free_port  # tests/ is on the venv's path (`make venv`)
 
 import trainer_sdk
@@ -139,17 +140,6 @@ def dcp_load(state: dict[str, torch.Tensor], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.load(state, checkpoint_id=path)
-
-
-def drop_cache(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def cpu_seconds() -> float:
