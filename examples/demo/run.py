@@ -23,6 +23,7 @@ uninterrupted reference run, the measurements and the plot) is the test helpers'
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -245,12 +246,23 @@ def parse(argv: list[str] | None) -> DemoConfig:
     p.add_argument("--every-steps", type=int, default=DemoConfig.every_steps)
     p.add_argument("--step-sleep", type=float, default=DemoConfig.step_sleep)
     p.add_argument("--timeout", type=float, default=DemoConfig.timeout)
+    p.add_argument(
+        "--goodput",
+        action="store_true",
+        help="instead: a short run of bench/goodput.py (Baton against checkpoint-restart on "
+        "one seeded schedule of 2 interruptions), its table and plot in OUT/goodput",
+    )
     a = p.parse_args(argv)
+    if a.goodput and (a.kill_node or a.preemptions != 1 or a.provider != "aws"):
+        p.error(
+            "--goodput draws its own interruptions: drop --provider, --preemptions and --kill-node"
+        )
     if a.preemptions < 1:
         p.error("--preemptions must be at least 1")
     if a.steps < (a.preemptions + 1) * (a.every_steps + 5):
         p.error("--steps is too small for that many interruptions at this --every-steps")
     return DemoConfig(
+        goodput=a.goodput,
         provider=cast(Provider, a.provider), preemptions=a.preemptions, kill_node=a.kill_node,
         storage=a.storage, out=a.out, steps=a.steps, every_steps=a.every_steps,
         fast_every_steps=a.fast_every_steps or None,
@@ -258,8 +270,24 @@ def parse(argv: list[str] | None) -> DemoConfig:
     )  # fmt: skip
 
 
+GOODPUT_SHORT = ["--steps", "60", "--every-steps", "10", "--step-sleep", "0.3", "--seed", "10"]
+GOODPUT_SHORT += ["--mtbi", "12", "--min-gap", "10", "--max-interruptions", "2"]
+"""The goodput benchmark's short version: 60 steps; seed 10 draws a GKE notice about 10 s into
+training and a node lost without notice 10 s later (whatever the horizon between 25 and 40 s)."""
+
+
+def goodput(cfg: DemoConfig) -> int:
+    """Run ``bench/goodput.py``'s short version, as a user would run the benchmark itself."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "goodput.py"
+    command = [sys.executable, str(bench), "--out", str(cfg.out / "goodput"), *GOODPUT_SHORT]
+    say(f"the goodput benchmark, short: {' '.join(command[1:])}")
+    return subprocess.run(command, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.goodput:
+        return goodput(cfg)
     return run_demo(
         cfg,
         job=partial(tinylm_job, cfg),

@@ -87,6 +87,8 @@ class DemoError(RuntimeError):
 class DemoConfig:
     """What one demo run does (the command-line options)."""
 
+    goodput: bool = False
+    """Run the goodput benchmark's short version instead (``examples/demo/run.py --goodput``)."""
     provider: Provider = "aws"
     """Whose notice the node gets: aws, gke, karpenter or autoscaler."""
     preemptions: int = 1

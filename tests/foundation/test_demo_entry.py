@@ -44,6 +44,7 @@ def test_the_demo_imports_its_driver_from_the_venv(tmp_path: Path) -> None:
         (["--preemptions", "0"], "--preemptions must be at least 1"),
         (["--steps", "20"], "--steps is too small for that many interruptions"),
         (["--provider", "azure"], "invalid choice: 'azure'"),
+        (["--goodput", "--kill-node"], "--goodput draws its own interruptions"),
     ],
 )
 def test_options_that_cannot_run_are_refused_before_anything_starts(
