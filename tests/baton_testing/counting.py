@@ -9,43 +9,26 @@ from __future__ import annotations
 
 import threading
 
-from trainer_sdk.storage import Storage, open_storage
-from trainer_sdk.storage.base import Writer
+from baton_testing.storage_wrapper import StorageWrapper
 
 __all__ = ["CountingStorage"]
 
 
-class CountingStorage:
+class CountingStorage(StorageWrapper):
     """``uri`` opened as usual; :attr:`ranged` counts bytes read by ``read_into`` (tensor data),
     :attr:`whole` bytes read by ``read_bytes`` and ``read_versioned`` (manifests, JSON)."""
 
     def __init__(self, uri: str) -> None:
-        self._inner: Storage = open_storage(uri)
+        super().__init__(uri)
         self._lock = threading.Lock()
         self.ranged = 0
         self.whole = 0
-
-    @property
-    def uri(self) -> str:
-        return self._inner.uri
-
-    def open_writer(self, path: str, *, size_hint: int | None = None) -> Writer:
-        return self._inner.open_writer(path, size_hint=size_hint)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        self._inner.write_atomic(path, data)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        self._inner.create_exclusive(path, data)
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         data, token = self._inner.read_versioned(path)
         with self._lock:
             self.whole += len(data)
         return data, token
-
-    def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
-        return self._inner.replace_if(path, data, token=token)
 
     def read_bytes(self, path: str) -> bytes:
         data = self._inner.read_bytes(path)
@@ -57,18 +40,3 @@ class CountingStorage:
         self._inner.read_into(path, offset, out)
         with self._lock:
             self.ranged += len(out)
-
-    def size(self, path: str) -> int:
-        return self._inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self._inner.exists(path)
-
-    def list_dir(self, path: str) -> list[str]:
-        return self._inner.list_dir(path)
-
-    def delete(self, path: str) -> None:
-        self._inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self._inner.delete_tree(path)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 
-from trainer_sdk.storage import Storage, open_storage
+from baton_testing.storage_wrapper import StorageWrapper
+
+from trainer_sdk.storage import Storage
 from trainer_sdk.storage.base import Writer
 
 __all__ = ["ThrottledStorage"]
@@ -33,54 +35,17 @@ class _ThrottledWriter:
         self._inner.abort()
 
 
-class ThrottledStorage:
+class ThrottledStorage(StorageWrapper):
     """``uri`` opened as usual, its streamed writes at most ``rate`` bytes per second."""
 
     def __init__(self, uri: str, *, rate: float) -> None:
         if rate <= 0:
             raise ValueError(f"rate must be a positive number of bytes per second, got {rate}")
-        self._inner = open_storage(uri)
+        super().__init__(uri)
         self.rate = rate
-
-    @property
-    def uri(self) -> str:
-        return self._inner.uri
 
     def open_writer(self, path: str, *, size_hint: int | None = None) -> Writer:
         return _ThrottledWriter(self._inner.open_writer(path, size_hint=size_hint), self.rate)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        self._inner.write_atomic(path, data)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        self._inner.create_exclusive(path, data)
-
-    def read_versioned(self, path: str) -> tuple[bytes, str]:
-        return self._inner.read_versioned(path)
-
-    def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
-        return self._inner.replace_if(path, data, token=token)
-
-    def read_bytes(self, path: str) -> bytes:
-        return self._inner.read_bytes(path)
-
-    def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        self._inner.read_into(path, offset, out)
-
-    def size(self, path: str) -> int:
-        return self._inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self._inner.exists(path)
-
-    def list_dir(self, path: str) -> list[str]:
-        return self._inner.list_dir(path)
-
-    def delete(self, path: str) -> None:
-        self._inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self._inner.delete_tree(path)
 
 
 def _check() -> Storage:  # mypy: ThrottledStorage satisfies the Storage protocol
