@@ -254,7 +254,7 @@ def run_plain(
             last_step = step
         k = len(demo.interruptions)
         trains = k == 0 or _resumed_after(log, demo.interruptions[-1])
-        if k < len(events) and trains and due(k, step):
+        if k < len(events) and trains and step < args.steps and due(k, step):
             ev = events[k]
             selector = f"batch.kubernetes.io/job-completion-index={ev.rank},app={PLAIN_JOB}"
             pods = [
@@ -493,6 +493,12 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                 result = run_baton(demo, args, plan, manifest)
                 written = bucket_bytes(demo, prefix)
             rows.append(measure_run(method, demo, result, args.steps, written))
+            if len(rows[-1]["interruptions"]) < len(plan.interruptions):
+                say(
+                    f"method {method}: {len(rows[-1]['interruptions'])} of "
+                    f"{len(plan.interruptions)} scheduled interruptions made; the others fell "
+                    "after the last step"
+                )
             if method == "no-interruptions" and schedule is None:
                 horizon = rows[-1]["train_s"]
                 shares = tuple(float(x) for x in args.mix.split(","))

@@ -570,9 +570,11 @@ class Demo:
                 break
             k = len(self.interruptions)
             # The next interruption once the job trains again after the last one (a new
-            # attempt, or the same attempt after a recovery that kept the survivors).
+            # attempt, or the same attempt after a recovery that kept the survivors), and
+            # never once the last step is done: a job that only has its exit left is not
+            # interrupted by taking its node (the goodput schedule's times can fall there).
             resumed = k == 0 or self.interruptions[-1].resumed_step is not None
-            ready = phase == "Running" and resumed and k < len(targets)
+            ready = phase == "Running" and resumed and k < len(targets) and step < cfg.steps
             if ready and (due(k, step) if due else step >= targets[k]):
                 rank = rank_of(k) if rank_of else 1 - k % 2
                 self._interrupt(rank=rank, attempt=attempt, take_node=interrupt)

@@ -29,12 +29,16 @@ def test_baton_ends_bitwise_and_records_every_scheduled_interruption(tmp_path: P
     schedule = tmp_path / "schedule.json"
     events = [
         Interruption(at_seconds=8, kind="gke", rank=1, replace_after_seconds=5),
-        Interruption(at_seconds=30, kind="kill", rank=0, replace_after_seconds=5),
+        Interruption(at_seconds=22, kind="kill", rank=0, replace_after_seconds=5),
     ]
+    # 80 steps of at least 0.3 s: the kill at 22 s after the first step comes well before the
+    # last (the GKE restart takes at least its 5 s replacement). With 60 steps and the kill at
+    # 30 s, a machine that restarted fast had finished training, and the kill took a node whose
+    # trainer had exited 0: nothing to interrupt, so nothing for status.interruptions.
     save_schedule(Schedule(model={"smoke": True}, interruptions=events), schedule)
     out = tmp_path / "out"
     command = [sys.executable, str(BENCH), "--out", str(out), "--schedule", str(schedule)]
-    command += ["--steps", "60", "--every-steps", "10", "--step-sleep", "0.3"]
+    command += ["--steps", "80", "--every-steps", "10", "--step-sleep", "0.3"]
     command += ["--methods", "no-interruptions,baton-durable,baton-memory", "--timeout", "600"]
     # This checkout's test helpers first (the venv's .pth may name another checkout's).
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
@@ -54,7 +58,9 @@ def test_baton_ends_bitwise_and_records_every_scheduled_interruption(tmp_path: P
         assert row["sha256"] == rows["no-interruptions"]["sha256"], (method, tail)
         assert row["bitwise_equal"] is True
         kinds = [i["kind"] for i in row["interruptions"]]
-        assert kinds == ["gke notice", "no notice"], (method, kinds)
+        steps = [i["at_step"] for i in row["interruptions"]]
+        assert kinds == ["gke notice", "no notice"], (method, kinds, steps, tail)
+        assert all(s < 80 for s in steps), (method, steps)
         recorded = row["status_interruptions"]
         assert len(recorded) == len(events), (method, recorded)
     assert (out / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
