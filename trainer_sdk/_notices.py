@@ -1,19 +1,14 @@
-"""Serving a checkpoint notice, and telling the sidecar about it: the Checkpointer's reporting.
+"""Serving a checkpoint notice: the Checkpointer's notice path.
 
 The :class:`~trainer_sdk.checkpointer.Checkpointer` decides *when* (its policies and the notice
-agreement) and owns the state and the saves; this module holds the two things it delegates:
-
-* :class:`StatusReporter`: this local rank's status file in the control directory (state,
-  step, phases, bytes, errors) and its heartbeat, which the sidecar folds into the pod's
-  status and metrics (``docs/contracts.md``). Thread-safe: async commits report from the
-  background writer's thread.
-* :class:`NoticeServer`: what happens once every rank agreed that a notice arrived: drain a
-  save in flight, plan the emergency save, agree on the slowest rank's estimate against rank
-  0's clock, skip the save if it cannot end before the deadline minus the margin, else save
-  inside the deadline scope; and report each state (``requested``, ``saving``,
-  ``committed``, ``skipped``, ``failed``) as it goes. With the memory tier on, the same
-  agreement also picks the tier (:func:`~trainer_sdk._deadline.choose_tier`): a durable save
-  when it fits, else a replicated memory snapshot promoted afterwards in the background.
+agreement) and owns the state and the saves; :class:`NoticeServer` is what happens once every
+rank agreed that a notice arrived: drain a save in flight, plan the emergency save, agree on
+the slowest rank's estimate against rank 0's clock, skip the save if it cannot end before the
+deadline minus the margin, else save inside the deadline scope; and report each state
+(``requested``, ``saving``, ``committed``, ``skipped``, ``failed``) as it goes, through
+:class:`~trainer_sdk._status.StatusReporter`. With the memory tier on, the same agreement also
+picks the tier (:func:`~trainer_sdk._deadline.choose_tier`): a durable save when it fits, else
+a replicated memory snapshot promoted afterwards in the background.
 
 Log records go to the ``trainer_sdk.checkpointer`` logger, where users (and tests) already
 listen for the Checkpointer's notices.
@@ -21,109 +16,26 @@ listen for the Checkpointer's notices.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any
 
 from trainer_sdk._collectives import all_reduce_max
 from trainer_sdk._committing import SaveInfo
 from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
-from trainer_sdk.control import ControlChannel, Status
+from trainer_sdk._status import StatusReporter
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.planning import FlatState, SavePlan
 from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
 from trainer_sdk.wire import SavePhase, State, Tier
 
-__all__ = [
-    "HEARTBEAT_EVERY_S",
-    "MemoryCommit",
-    "NoticeServer",
-    "StatusReporter",
-    "announce_notice",
-]
+__all__ = ["MemoryCommit", "NoticeServer", "announce_notice"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
-
-HEARTBEAT_EVERY_S: Final = 5.0
-"""Seconds between heartbeats of the status file while training runs (the sidecar's liveness
-reads its age)."""
-
-
-class StatusReporter:
-    """This local rank's status file: every local rank reports in its own, and the sidecar
-    folds them into one pod status. Without a control channel it only keeps the status."""
-
-    def __init__(
-        self, channel: ControlChannel | None, *, local_rank: int, local_world_size: int
-    ) -> None:
-        self._channel = channel
-        self._lock = threading.Lock()
-        self._last_beat = 0.0
-        self._progress: tuple[float, int] | None = None
-        """(monotonic time, step) of the first training step this process reported."""
-        self._status = Status(
-            state=State.IDLE, local_rank=local_rank, local_world_size=local_world_size
-        )
-        self._write(self._status)
-
-    @property
-    def status(self) -> Status:
-        """The status last written."""
-        return self._status
-
-    def update(self, **changes: Any) -> None:
-        """Change fields of the status and write it (a state change also stamps ``updated``)."""
-        with self._lock:
-            status = dataclasses.replace(self._status, **changes) if changes else self._status
-            if changes and "updated" not in changes and "state" in changes:
-                status = dataclasses.replace(status, updated=datetime.now(UTC))
-            status = status.beat()
-            self._status = status
-            self._write(status)
-
-    def heartbeat(self, step: int | None = None) -> None:
-        """Rewrite the status with a fresh heartbeat, at most every ``HEARTBEAT_EVERY_S``.
-
-        ``step``: the training step just finished, reported as ``train_step``, with the mean
-        wall seconds per step since the first step this process reported (``step_seconds``).
-        The first step and the first one after it are written at once, whatever the
-        throttle, so that the operator learns a new attempt's progress and step time from
-        its first steps (restart time, goodput).
-        """
-        now = time.monotonic()
-        eager = False
-        if step is not None:
-            if self._progress is None:
-                self._progress = (now, step)
-                eager = True
-            elif self._status.step_seconds is None and step > self._progress[1]:
-                eager = True
-        if not eager and now - self._last_beat < HEARTBEAT_EVERY_S:
-            return
-        self._last_beat = now
-        if step is None or self._progress is None:
-            self.update()
-            return
-        changes: dict[str, Any] = {"train_step": step}
-        first_at, first_step = self._progress
-        if step > first_step:
-            changes["step_seconds"] = round((now - first_at) / (step - first_step), 6)
-        self.update(**changes)
-
-    def _write(self, status: Status) -> None:
-        if self._channel is None:
-            return
-        try:
-            self._channel.write_status(status)
-        except OSError as e:
-            log.warning("could not write a status file in %s: %s", self._channel.directory, e)
-
 
 Prepared = tuple[FlatState, SavePlan]
 """A flattened state and this rank's save plan, ready to write."""

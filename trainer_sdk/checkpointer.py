@@ -23,13 +23,13 @@ What is saved: model and optimizer state through ``torch.distributed.checkpoint.
 the step. See ``docs/checkpointer.md`` for the policies, the resume rules and the guarantees.
 
 The Checkpointer orchestrates; the work is elsewhere: its settings in ``_config.py``, the state
-dict and its application in ``_training_state.py``, serving a notice and the status file in
-``_notices.py``, the agreement in ``signals.py``, async saves in ``staging.py``, the protocol
-behind ``api.py``, every collective in ``_collectives.py``. Why the module is this long: the
-Checkpointer still holds, besides the training-loop face (``restore``, ``step``, ``save``,
-``request``, ``close``), restore's agreement on the step and its fallback between the memory
-tier and the durable one, and the save engine (prepare, snapshot, commit to the memory tier,
-promote, drain). Issue #25 moves restore and the save engine into modules of their own.
+dict and its application in ``_training_state.py``, serving a notice in ``_notices.py``, the
+status file in ``_status.py``, the agreement in ``signals.py``, async saves in ``staging.py``,
+the protocol behind ``api.py``, every collective in ``_collectives.py``. Why the module is this
+long: the Checkpointer still holds, besides the training-loop face (``restore``, ``step``,
+``save``, ``request``, ``close``), restore's agreement on the step and its fallback between the
+memory tier and the durable one, and the save engine (prepare, snapshot, commit to the memory
+tier, promote, drain). Issue #25 moves restore and the save engine into modules of their own.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ from trainer_sdk._collectives import (
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
-from trainer_sdk._notices import MemoryCommit, NoticeServer, StatusReporter
+from trainer_sdk._notices import MemoryCommit, NoticeServer
 from trainer_sdk._reuse import Reuse, frozen_storages
+from trainer_sdk._status import StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import (

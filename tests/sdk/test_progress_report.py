@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_sdk import _notices
-from trainer_sdk._notices import HEARTBEAT_EVERY_S, StatusReporter
+from trainer_sdk import _status
+from trainer_sdk._status import HEARTBEAT_EVERY_S, StatusReporter
 from trainer_sdk.control import ControlChannel, Status
 
 
@@ -33,7 +33,7 @@ def test_heartbeats_report_the_step_and_the_mean_step_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = _Clock()
-    monkeypatch.setattr(_notices.time, "monotonic", clock)
+    monkeypatch.setattr(_status.time, "monotonic", clock)
     channel = ControlChannel(tmp_path)
     reporter = StatusReporter(channel, local_rank=0, local_world_size=1)
 
@@ -74,7 +74,7 @@ def test_the_same_step_again_is_not_written_eagerly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = _Clock()
-    monkeypatch.setattr(_notices.time, "monotonic", clock)
+    monkeypatch.setattr(_status.time, "monotonic", clock)
     channel = ControlChannel(tmp_path)
     reporter = StatusReporter(channel, local_rank=0, local_world_size=1)
     reporter.heartbeat(7)

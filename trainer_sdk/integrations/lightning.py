@@ -76,7 +76,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from trainer_sdk import _catalog, _ddp, api
 from trainer_sdk._collectives import all_reduce_max, broadcast_json
 from trainer_sdk._config import env_number
-from trainer_sdk._notices import StatusReporter
+from trainer_sdk._status import StatusReporter
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.integrations.dcp.notices import BatonNotices
 from trainer_sdk.layout import parse_step_dir, step_dir

@@ -19,7 +19,8 @@ from trainer_sdk import _catalog
 from trainer_sdk._collectives import all_reduce_max, broadcast_json, release_group
 from trainer_sdk._config import env_number
 from trainer_sdk._deadline import deadline_scope
-from trainer_sdk._notices import StatusReporter, announce_notice
+from trainer_sdk._notices import announce_notice
+from trainer_sdk._status import StatusReporter
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.integrations.dcp.reader import BatonLoadPlanner, BatonReader
