@@ -1,14 +1,15 @@
-"""Serving a checkpoint notice: the Checkpointer's notice path.
+"""Serving a checkpoint notice: :class:`NoticeServer`, the Checkpointer's notice path.
 
 The :class:`~trainer_sdk.checkpointer.Checkpointer` decides *when* (its policies and the notice
-agreement) and owns the state and the saves; :class:`NoticeServer` is what happens once every
-rank agreed that a notice arrived: drain a save in flight, plan the emergency save, agree on
-the slowest rank's estimate against rank 0's clock, skip the save if it cannot end before the
-deadline minus the margin, else save inside the deadline scope; and report each state
-(``requested``, ``saving``, ``committed``, ``skipped``, ``failed``) as it goes, through
-:class:`~trainer_sdk._status.StatusReporter`. With the memory tier on, the same agreement also
+agreement); once every rank agreed that a notice arrived, :class:`NoticeServer` drains a save
+in flight, plans the emergency save, agrees on the slowest rank's estimate against rank 0's
+clock, skips the save if it cannot end before the deadline minus the margin, else saves inside
+the deadline scope, and reports each state (``requested``, ``saving``, ``committed``,
+``skipped``, ``failed``) to the sidecar as it goes (through
+:class:`~trainer_sdk._status.StatusReporter`). With the memory tier on, the same agreement also
 picks the tier (:func:`~trainer_sdk._deadline.choose_tier`): a durable save when it fits, else
-a replicated memory snapshot promoted afterwards in the background.
+a replicated memory snapshot promoted afterwards in the background. The writing is the save
+engine's (:mod:`trainer_sdk._save_engine`), which it is handed, one layer below.
 
 Log records go to the ``trainer_sdk.checkpointer`` logger, where users (and tests) already
 listen for the Checkpointer's notices.
@@ -19,51 +20,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from trainer_sdk._collectives import all_reduce_max
-from trainer_sdk._committing import SaveInfo
 from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
+from trainer_sdk._save_engine import SaveEngine
 from trainer_sdk._status import StatusReporter
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.planning import FlatState, SavePlan
 from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
 from trainer_sdk.wire import SavePhase, State, Tier
 
-__all__ = ["MemoryCommit", "NoticeServer", "announce_notice"]
+__all__ = ["NoticeServer", "announce_notice"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
-
-Prepared = tuple[FlatState, SavePlan]
-"""A flattened state and this rank's save plan, ready to write."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryCommit:
-    """What a notice may do with the memory tier (the Checkpointer's methods)."""
-
-    estimate: Callable[[int], float]
-    """This rank's measured seconds for a snapshot of that many bytes plus its replication;
-    ``math.inf`` when the tier cannot take a notice now."""
-    commit: Callable[[int, Prepared], bool]
-    """Snapshot the step and wait for it; whether every pod's replica exists."""
-    promote: Callable[[int], None]
-    """Start promoting the step's snapshot to durable storage in the background."""
-    uri: Callable[[int], str]
-    """Where the step's snapshot lives."""
 
 
 @dataclass(kw_only=True)
 class NoticeServer:
     """Serves an agreed notice on this rank (every rank serves it at the same step).
 
-    The Checkpointer builds it once and hands it the steps of a save it owns: ``drain`` (wait
-    for a save in flight, raising its failure), ``prepare`` (flatten and plan ``step``),
-    ``probe`` (calibrate the estimate before a first save), ``save`` (a synchronous save of
-    a prepared step), ``last_committed`` and ``step_uri``; with the memory tier, ``memory``.
+    The Checkpointer builds it once, with its save engine: ``engine`` drains a save in flight
+    (raising its failure), prepares the step, probes the storage before a first save, saves,
+    and, with the memory tier on, commits to it and promotes; it also knows the newest
+    committed step and where a step lives.
     """
 
     rank: int
@@ -73,14 +54,7 @@ class NoticeServer:
     board: NoticeBoard
     status: StatusReporter
     estimator: SaveEstimator
-    drain: Callable[[], None]
-    prepare: Callable[[int], Prepared]
-    probe: Callable[[], None]
-    save: Callable[[int, str, Prepared], SaveInfo]
-    last_committed: Callable[[], int | None]
-    step_uri: Callable[[int], str]
-    memory: MemoryCommit | None = None
-    """The memory tier's part in a notice; None when it is off."""
+    engine: SaveEngine
 
     def serve(self, step: int, local: LocalNotice, agreement: Agreement) -> bool:
         """Save ``step`` for the notice in ``agreement``, or skip it if it cannot finish in
@@ -95,22 +69,23 @@ class NoticeServer:
             # commits normally. If it failed, the emergency save still goes ahead, and the
             # failure is raised after it.
             try:
-                self.drain()
+                self.engine.drain()
             except Exception as e:
                 bg_error = e
                 log.error("the background save before the emergency save failed: %s", e)
             drain_s = time.perf_counter() - notice_t
-            if step == self.last_committed():
+            if step == self.engine.last_committed:
                 # Already committed at this very step (a periodic save just before): done.
                 self._finish(local, step, notice_t, {SavePhase.DRAIN: drain_s}, None)
                 return self._after(step, bg_error)
             t = time.perf_counter()
-            prepared = self.prepare(step)
+            prepared = self.engine.prepare(step)
             nbytes = prepared[1].nbytes
             if not self.estimator.measured:
-                self.probe()
+                self.engine.probe()
             estimate = self.estimator.estimate(nbytes) or 0.0
-            memory = math.inf if self.memory is None else self.memory.estimate(nbytes)
+            fast = self.engine.fast
+            memory = math.inf if fast is None else self.engine.memory_estimate(nbytes)
             # The slowest rank's estimates against rank 0's clock: the same verdict everywhere.
             est_max, mem_max, now0 = all_reduce_max(
                 [estimate, memory, time.time() if self.rank == 0 else 0.0], group=self.group
@@ -122,7 +97,7 @@ class NoticeServer:
                 else agreement.deadline - self.deadline_margin - now0
             )
             tier = choose_tier(durable_s=est_max, memory_s=mem_max, left=left)
-            if tier is Tier.MEMORY and self.memory is not None:
+            if tier is Tier.MEMORY and fast is not None:
                 log.warning(
                     "rank %d: a durable save of step %d is estimated at %.2fs, the memory tier "
                     "with its replication at %.2fs, and %.2fs are left before the deadline "
@@ -135,11 +110,11 @@ class NoticeServer:
                 )
                 self.status.update(state=State.SAVING)
                 perf = time.perf_counter()
-                replicated = self.memory.commit(step, prepared)
+                replicated = self.engine.commit_memory(step, prepared)
                 write_s = time.perf_counter() - perf
                 if not replicated:
                     # Promoted all the same: until the node goes, it may still become durable.
-                    self.memory.promote(step)
+                    self.engine.promote(step)
                     raise CheckpointError(
                         f"the memory snapshot of step {step} committed but was not replicated "
                         "to a peer (see the replication warning above): it would be lost with "
@@ -153,13 +128,13 @@ class NoticeServer:
                 }
                 self._finish(
                     local, step, notice_t, phases, None, tier=Tier.MEMORY,
-                    uri=self.memory.uri(step),
+                    uri=self.engine.snapshot_uri(step),
                 )  # fmt: skip
-                self.memory.promote(step)  # reported committed first: this may wait
+                self.engine.promote(step)  # reported committed first: this may wait
                 return self._after(step, bg_error)
             if tier is None:
                 assert left is not None  # without a deadline the durable tier is chosen
-                last = self.last_committed()
+                last = self.engine.last_committed
                 reason = (
                     f"skipped: a save of step {step} is estimated at {est_max:.2f}s but only "
                     f"{max(left, 0.0):.2f}s are left before the deadline minus the "
@@ -186,7 +161,7 @@ class NoticeServer:
             with deadline_scope(
                 None if agreement.deadline is None else agreement.deadline - self.deadline_margin
             ):
-                info = self.save(step, trigger, prepared)
+                info = self.engine.save_prepared(step, trigger, prepared)
             phases = {SavePhase.DRAIN: drain_s, SavePhase.PLAN: plan_s, **info.phases}
             self._finish(local, step, notice_t, phases, info.bytes)
         except BaseException as e:
@@ -211,11 +186,11 @@ class NoticeServer:
         self.status.update(
             state=State.COMMITTED,
             seconds=total,
-            uri=uri or self.step_uri(step),
+            uri=uri or self.engine.step_uri(step),
             phases=phases,
             bytes=total_bytes,
             # A memory commit is not durable yet: its promotion moves this when it commits.
-            last_committed_step=step if tier is Tier.DURABLE else self.last_committed(),
+            last_committed_step=step if tier is Tier.DURABLE else self.engine.last_committed,
             tier=tier.value,
             **self._served(local),
         )

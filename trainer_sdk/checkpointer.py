@@ -22,14 +22,15 @@ What is saved: model and optimizer state through ``torch.distributed.checkpoint.
 :class:`~trainer_sdk.ResumableSampler`), ``extra`` objects, every RNG stream of each rank, and
 the step. See ``docs/checkpointer.md`` for the policies, the resume rules and the guarantees.
 
-The Checkpointer orchestrates; the work is elsewhere: its settings in ``_config.py``, the state
-dict and its application in ``_training_state.py``, serving a notice in ``_notices.py``, the
-status file in ``_status.py``, the agreement in ``signals.py``, async saves in ``staging.py``,
-the protocol behind ``api.py``, every collective in ``_collectives.py``. Why the module is this
-long: the Checkpointer still holds, besides the training-loop face (``restore``, ``step``,
-``save``, ``request``, ``close``), restore's agreement on the step and its fallback between the
-memory tier and the durable one, and the save engine (prepare, snapshot, commit to the memory
-tier, promote, drain). Issue #25 moves restore and the save engine into modules of their own.
+The Checkpointer holds the training-loop face (``restore``, ``step``, ``save``,
+``request_checkpoint``, ``close``), the policies and the notice agreement, and wires the parts
+that do the work: the save engine (prepare, save, snapshot, commit to the memory tier,
+promote, after-commit, drain) in ``_save_engine.py``, serving a notice in ``_notices.py``, the
+status file in ``_status.py``, its settings in ``_config.py``, the state dict and its
+application in ``_training_state.py``, the agreement in ``signals.py``, async saves in
+``staging.py``, the protocol behind ``api.py``, every collective in ``_collectives.py``. Why
+the module is this long: it still holds restore's agreement on the step and its fallback
+between the memory tier and the durable one, which issue #25 moves into a module of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -52,20 +53,16 @@ from trainer_sdk._collectives import (
     release_group,
 )
 from trainer_sdk._config import CheckpointerConfig, env_number
-from trainer_sdk._deadline import SaveEstimator, probe_write
+from trainer_sdk._deadline import SaveEstimator
 from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
-from trainer_sdk._notices import MemoryCommit, NoticeServer
+from trainer_sdk._notices import NoticeServer
 from trainer_sdk._reuse import Reuse, frozen_storages
+from trainer_sdk._save_engine import SaveEngine
 from trainer_sdk._status import StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
 from trainer_sdk.control import ControlChannel
-from trainer_sdk.errors import (
-    BatonError,
-    CheckpointError,
-    UnreadableCheckpointError,
-)
+from trainer_sdk.errors import CheckpointError, UnreadableCheckpointError
 from trainer_sdk.layout import FILE_RE, step_dir
-from trainer_sdk.planning import PlanCache
 from trainer_sdk.signals import (
     Agreement,
     ControlPoller,
@@ -77,17 +74,11 @@ from trainer_sdk.signals import (
     agreement_buffer,
     start_agreement,
 )
-from trainer_sdk.staging import (
-    NORMAL_PRIORITY_BYTES,
-    AsyncSaveHandle,
-    AsyncSaver,
-    stage_and_commit,
-)
+from trainer_sdk.staging import NORMAL_PRIORITY_BYTES, AsyncSaveHandle, AsyncSaver
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import (
     EXIT_RESTART_IN_PLACE,
     EXIT_STOPPED_AFTER_NOTICE,
-    ROUTINE_TRIGGERS,
     State,
     Tier,
     Trigger,
@@ -217,10 +208,8 @@ class Checkpointer:
             if self.config.fast_dir
             else None
         )
-        self._restored = RestoreInfo(step=0, tier=None, uri=None)
-        self._plans = PlanCache()  # the same tensors at every save: planned once
-        self._whole_bytes = 0  # this rank's bytes of the whole state, at the last prepare
         # Incremental steps: what committed steps hold, to reference instead of rewrite.
+        self._restored = RestoreInfo(step=0, tier=None, uri=None)
         self._reuse = Reuse(full_every_steps=self.config.full_every_steps, group=self._group,
                             timeout=self.config.timeout.total_seconds())  # fmt: skip
 
@@ -235,27 +224,43 @@ class Checkpointer:
         )
         self._board = NoticeBoard(sigterm=self._sigterm, poller=poller)
         self._estimator = SaveEstimator()
-        # The clock of the every_seconds policy (only rank 0's reading counts); replaceable
-        # so that tests can drive time.
-        self._clock: Callable[[], float] = time.monotonic
-        self._last_save_time = self._clock()
-        self._last_saved_step: int | None = None
-        self._last_committed: int | None = None
         self._pending: PendingAgreement | None = None
         """The overlapped notice agreement started at the last boundary (every rank has one,
         or none), waited for and acted on at the next."""
         self._last_boundary: float | None = None
         """Rank 0's monotonic clock at the last agreed boundary (identical on every rank)."""
         self._agreement_buffer = agreement_buffer()
-        self._attempt: int | None = None
-        """This writer's attempt (rank 0 only; set by restore() or the first save)."""
-        self._resume_note: dict[str, Any] | None = None
-        """What the manifest of the next save records about the resume (world size change)."""
         # Every local rank reports in its own file; the sidecar folds them into one pod status.
         self._reporter = StatusReporter(
             self._channel,
             local_rank=self.local_rank,
             local_world_size=max(env_number("LOCAL_WORLD_SIZE", int) or 1, 1),
+        )
+        # The parts, each built once and handed what it uses. None of them holds a reference
+        # back to the Checkpointer: one that goes out of scope is freed at once, with its
+        # process groups (a cycle would keep them alive until interpreter shutdown, where
+        # tearing down a gloo group aborts the process).
+        self._engine = SaveEngine(
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            storage=self.storage,
+            group=self._group,
+            objects=self._objects,
+            saver=self._saver,
+            fast=self._fast,
+            reuse=self._reuse,
+            estimator=self._estimator,
+            reporter=self._reporter,
+        )
+        self._notices = NoticeServer(
+            rank=self.rank,
+            group=self._group,
+            deadline_margin=self.config.deadline_margin,
+            board=self._board,
+            status=self._reporter,
+            estimator=self._estimator,
+            engine=self._engine,
         )
         self._closed = False
 
@@ -277,12 +282,277 @@ class Checkpointer:
         """
         self._check_open()
         expected = env_number("BATON_RESUME_STEP", int)
-        self._register_attempt()
+        self._engine.register_attempt()
         steps = self._agreed_steps()
         snapshots = self._agreed_snapshots() if self._fast is not None else []
         if not self._estimator.measured:
-            self._probe()
-        # Newest first; at the same step the memory tier first (it is faster to read).
+            self._engine.probe()
+        loaded, tier, root = self._load_newest(steps, snapshots)
+        self._check_expected(expected, loaded)
+        if self._fast is not None:
+            self._clear_snapshots(keep=loaded if tier == Tier.MEMORY else None)
+        if loaded is None:
+            log.info("no checkpoint under %s: starting from step 0", self.config.uri)
+            return 0
+        if self._fast is not None and tier == Tier.DURABLE and not snapshots and self.rank == 0:
+            # The memory tier is on but had no step every rank could load (a pod and the
+            # holder of its replica both lost, say): the steps since this one are lost.
+            log.warning(
+                "resumed from durable step %d (%s): no memory snapshot was loadable by every "
+                "rank (see the warnings above for which rank lacked what)",
+                loaded,
+                root,
+            )
+        else:
+            log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
+        self._restored = RestoreInfo(
+            step=loaded, tier=None if tier is None else tier.value, uri=root
+        )
+        self._engine.restored(loaded, durable=tier == Tier.DURABLE)
+        if tier == Tier.DURABLE:
+            self._reporter.update(
+                last_committed_step=loaded, restored_step=loaded, restored_tier=Tier.DURABLE.value
+            )
+        else:
+            self._reporter.update(restored_step=loaded, restored_tier=Tier.MEMORY.value)
+            if self._needs_promotion(loaded):
+                self._engine.promote(loaded)
+        return loaded
+
+    def step(self, step: int) -> bool:
+        """Call after each optimizer step with the number of optimizer steps done.
+
+        Saves when the policy says so, serves a pending notice with a synchronous save of this
+        step on every rank, and raises a background save's failure. Returns True after a
+        notice was served (committed or skipped): the caller should stop training.
+        """
+        self._check_open()
+        entered = time.monotonic()
+        agreement: Agreement | None = None
+        local: LocalNotice | None = None
+        overlap = False
+        if self._group is None or step % self.config.notice_every == 0:
+            pending, self._pending = self._pending, None
+            if pending is not None:  # started at the last boundary; ran during this step
+                local = pending.local
+                agreement = pending.wait(self.config.timeout)
+            else:
+                local = self._local_notice()
+                agreement = agree(local, rank=self.rank, group=self._group)
+            overlap = self._group is not None and self._overlap_next(agreement)
+        self._reporter.heartbeat(step)
+        if agreement is not None and agreement.background_failed:
+            self._engine.raise_background_failure()
+        if agreement is not None and local is not None and agreement.notice:
+            return self._notices.serve(step, local, agreement)
+        periodic = (
+            self.config.every_steps is not None and step % self.config.every_steps == 0
+        ) or (agreement is not None and agreement.periodic_due)
+        snapshot = self._fast is not None and self._fast.due(step)
+        prepared = self._engine.prepare(step) if periodic and snapshot else None
+        if periodic and step != self._engine.last_saved_step:
+            self._save(
+                step,
+                trigger=Trigger.PERIODIC,
+                background=self.config.async_save,
+                prepared=prepared,
+            )
+        if snapshot:
+            # After the durable save of the same step, so that it never waits for this one.
+            self._engine.snapshot(step, prepared)
+        if overlap:
+            # Last, after any save: what this rank knows now goes to every rank during the
+            # next step, and every rank acts on it at the next boundary.
+            self._pending = start_agreement(
+                self._local_notice(),
+                step=step,
+                rank=self.rank,
+                group=self._group,
+                boundary=entered,
+                buffer=self._agreement_buffer,
+            )
+        return False
+
+    def save(self, step: int, *, trigger: str = Trigger.MANUAL) -> None:
+        """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
+        self._check_open()
+        self._save(step, trigger=trigger, background=False)
+
+    def request_checkpoint(
+        self, *, deadline: datetime | float | str | None = None, reason: str = ""
+    ) -> None:
+        """Ask for an emergency save at the next step boundary (this rank is enough; the one
+        after, when the notice agreement is overlapped: see ``notice_overlap_below``).
+
+        ``deadline``: an aware datetime, a UNIX time in seconds or an RFC 3339 string; the
+        save is skipped, not started, if it is estimated to end after ``deadline - margin``.
+        """
+        self._board.request(deadline=deadline, reason=reason or "request_checkpoint")
+
+    @property
+    def last_save(self) -> AsyncSaveHandle[Any] | None:
+        """The handle of the last background save, if any."""
+        return self._saver.in_flight if self._saver is not None else None
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this Checkpointer loaded or committed."""
+        return self._engine.last_committed
+
+    @property
+    def exit_code(self) -> int:
+        """The code a training script exits with once ``step()`` returned True.
+
+        ``EXIT_RESTART_IN_PLACE`` (76) when the notice's save committed to the memory tier:
+        the operator replaces only the noticed node's pods and the others' trainers restart
+        in place (the memory survives in the kept pods and the peers' replicas). Otherwise
+        ``EXIT_STOPPED_AFTER_NOTICE`` (75): the pods are replaced. A SIGTERM's save is always
+        75: the process is being stopped."""
+        status = self._reporter.status
+        if (
+            status.state == State.COMMITTED
+            and status.trigger == Trigger.NOTICE.value
+            and status.tier in (Tier.MEMORY.value, Tier.PROMOTED.value)
+        ):
+            return EXIT_RESTART_IN_PLACE
+        return EXIT_STOPPED_AFTER_NOTICE
+
+    def wait(self) -> None:
+        """Wait for a background save, a memory-tier snapshot and a promotion in flight;
+        raise a failure."""
+        self._engine.wait()
+
+    @property
+    def restored(self) -> RestoreInfo:
+        """What the last ``restore()`` loaded: the step, and the tier it came from
+        (``"memory"``: the snapshot in ``fast_dir``; ``"durable"``: the checkpoint uri)."""
+        return self._restored
+
+    def close(self) -> None:
+        """Drain the background save (raising its failure) and restore the SIGTERM handler."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._settle_agreement(on_close=True)
+            if self._saver is not None:
+                try:
+                    self._engine.drain()
+                finally:
+                    self._saver.close()
+        finally:
+            if self._fast is not None:
+                self._fast.close()
+            if self._sigterm is not None:
+                self._sigterm.uninstall()
+            # Last: nothing of this Checkpointer runs a collective after this.
+            group, self._group = self._group, None
+            release_group(group)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model this Checkpointer saves and restores."""
+        return self._objects.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer this Checkpointer saves and restores."""
+        return self._objects.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        """The LR scheduler this Checkpointer saves and restores."""
+        return self._objects.scheduler
+
+    @property
+    def dataloader(self) -> Any | None:
+        """The dataloader whose position this Checkpointer saves and restores."""
+        return self._objects.dataloader
+
+    @property
+    def extra(self) -> Mapping[str, Any] | None:
+        """The extra objects this Checkpointer saves and restores."""
+        return self._objects.extra
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def _save(
+        self,
+        step: int,
+        *,
+        trigger: str,
+        background: bool,
+        prepared: tuple[api.FlatState, api.SavePlan] | None = None,
+    ) -> None:
+        # An overlapped agreement finishes before the save's collectives use the same group;
+        # its answer is kept and acted on at the next boundary, as planned.
+        self._settle_agreement()
+        self._engine.save(step, trigger=trigger, background=background, prepared=prepared)
+
+    # ---- the notice agreement ------------------------------------------------------------
+
+    def _local_notice(self) -> LocalNotice:
+        handle = self._saver.in_flight if self._saver is not None else None
+        due_seconds = (
+            self.config.every_seconds is not None
+            and self._engine.clock() - self._engine.last_save_time >= self.config.every_seconds
+        )
+        return self._board.local(
+            background_failed=handle is not None and handle.exception() is not None,
+            periodic_due=due_seconds,
+        )
+
+    def _overlap_next(self, agreement: Agreement) -> bool:
+        """Whether to overlap the next agreement with the next step. Decided from agreed
+        values only (rank 0's clock), so every rank decides the same."""
+        previous, self._last_boundary = self._last_boundary, agreement.rank0_monotonic
+        below = self.config.notice_overlap_below
+        if below <= 0:
+            return False
+        return previous is None or agreement.rank0_monotonic - previous < below
+
+    def _settle_agreement(self, *, on_close: bool = False) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        if not on_close:
+            pending.wait(self.config.timeout)
+            return
+        self._pending = None
+        try:
+            agreement = pending.wait(self.config.timeout)
+        except Exception as e:  # closing: the other ranks may be gone; never hang or mask
+            log.warning(
+                "rank %d: the last notice agreement (step %d) did not finish at close: %s",
+                self.rank,
+                pending.step,
+                e,
+            )
+            return
+        if agreement.notice:
+            log.warning(
+                "rank %d: a notice (%s) arrived during the last step and was not served: the "
+                "Checkpointer was closed first",
+                self.rank,
+                ", ".join(sorted(agreement.sources)),
+            )
+
+    # ---- restore --------------------------------------------------------------------------
+
+    def _load_newest(
+        self, steps: list[int], snapshots: list[int]
+    ) -> tuple[int | None, Tier | None, str | None]:
+        """Try the durable ``steps`` and memory ``snapshots`` newest first (at the same step the
+        memory tier first: it is faster to read) until every rank loaded one; return it, its
+        tier and the root of the last candidate tried (the uri when there was none)."""
         candidates: list[tuple[int, Tier]] = sorted(
             [(s, Tier.DURABLE) for s in steps] + [(s, Tier.MEMORY) for s in snapshots],
             key=lambda c: (c[0], c[1] == Tier.MEMORY),
@@ -352,6 +622,11 @@ class Checkpointer:
                 candidate,
                 error if error is not None else f"rank {who} failed to load it",
             )
+        return loaded, tier, root
+
+    def _check_expected(self, expected: int | None, loaded: int | None) -> None:
+        """Compare the step loaded with ``BATON_RESUME_STEP``: a newer one is fine, an older
+        one (or none) raises unless ``resume_fallback``."""
         if expected is not None and (loaded is None or loaded < expected):
             msg = (
                 f"BATON_RESUME_STEP={expected} but the newest loadable checkpoint under "
@@ -369,204 +644,6 @@ class Checkpointer:
                 expected,
                 loaded,
             )
-        if self._fast is not None:
-            self._clear_snapshots(keep=loaded if tier == Tier.MEMORY else None)
-        if loaded is None:
-            log.info("no checkpoint under %s: starting from step 0", self.config.uri)
-            return 0
-        if self._fast is not None and tier == Tier.DURABLE and not snapshots and self.rank == 0:
-            # The memory tier is on but had no step every rank could load (a pod and the
-            # holder of its replica both lost, say): the steps since this one are lost.
-            log.warning(
-                "resumed from durable step %d (%s): no memory snapshot was loadable by every "
-                "rank (see the warnings above for which rank lacked what)",
-                loaded,
-                root,
-            )
-        else:
-            log.info("resumed from step %d of the %s tier (%s)", loaded, tier, root)
-        self._restored = RestoreInfo(
-            step=loaded, tier=None if tier is None else tier.value, uri=root
-        )
-        self._last_saved_step = loaded
-        self._last_save_time = self._clock()
-        if tier == Tier.DURABLE:
-            self._last_committed = loaded
-            self._reporter.update(
-                last_committed_step=loaded, restored_step=loaded, restored_tier=Tier.DURABLE.value
-            )
-        else:
-            self._reporter.update(restored_step=loaded, restored_tier=Tier.MEMORY.value)
-            if self._needs_promotion(loaded):
-                self._promote(loaded)
-        return loaded
-
-    def step(self, step: int) -> bool:
-        """Call after each optimizer step with the number of optimizer steps done.
-
-        Saves when the policy says so, serves a pending notice with a synchronous save of this
-        step on every rank, and raises a background save's failure. Returns True after a
-        notice was served (committed or skipped): the caller should stop training.
-        """
-        self._check_open()
-        entered = time.monotonic()
-        agreement: Agreement | None = None
-        local: LocalNotice | None = None
-        overlap = False
-        if self._group is None or step % self.config.notice_every == 0:
-            pending, self._pending = self._pending, None
-            if pending is not None:  # started at the last boundary; ran during this step
-                local = pending.local
-                agreement = pending.wait(self.config.timeout)
-            else:
-                local = self._local_notice()
-                agreement = agree(local, rank=self.rank, group=self._group)
-            overlap = self._group is not None and self._overlap_next(agreement)
-        self._reporter.heartbeat(step)
-        if agreement is not None and agreement.background_failed:
-            self._raise_background_failure()
-        if agreement is not None and local is not None and agreement.notice:
-            return self._notice_server().serve(step, local, agreement)
-        periodic = (
-            self.config.every_steps is not None and step % self.config.every_steps == 0
-        ) or (agreement is not None and agreement.periodic_due)
-        snapshot = self._fast is not None and self._fast.due(step)
-        prepared = self._prepare(step) if periodic and snapshot else None
-        if periodic and step != self._last_saved_step:
-            self._save(
-                step,
-                trigger=Trigger.PERIODIC,
-                background=self.config.async_save,
-                prepared=prepared,
-            )
-        if snapshot:
-            # After the durable save of the same step, so that it never waits for this one.
-            self._snapshot(step, prepared)
-        if overlap:
-            # Last, after any save: what this rank knows now goes to every rank during the
-            # next step, and every rank acts on it at the next boundary.
-            self._pending = start_agreement(
-                self._local_notice(),
-                step=step,
-                rank=self.rank,
-                group=self._group,
-                boundary=entered,
-                buffer=self._agreement_buffer,
-            )
-        return False
-
-    def save(self, step: int, *, trigger: str = Trigger.MANUAL) -> None:
-        """Save ``step`` now, synchronously, on every rank (e.g. a final save)."""
-        self._check_open()
-        self._save(step, trigger=trigger, background=False)
-
-    def request_checkpoint(
-        self, *, deadline: datetime | float | str | None = None, reason: str = ""
-    ) -> None:
-        """Ask for an emergency save at the next step boundary (this rank is enough; the one
-        after, when the notice agreement is overlapped: see ``notice_overlap_below``).
-
-        ``deadline``: an aware datetime, a UNIX time in seconds or an RFC 3339 string; the
-        save is skipped, not started, if it is estimated to end after ``deadline - margin``.
-        """
-        self._board.request(deadline=deadline, reason=reason or "request_checkpoint")
-
-    @property
-    def last_save(self) -> AsyncSaveHandle[Any] | None:
-        """The handle of the last background save, if any."""
-        return self._saver.in_flight if self._saver is not None else None
-
-    @property
-    def last_committed_step(self) -> int | None:
-        """The newest step this Checkpointer loaded or committed."""
-        return self._last_committed
-
-    @property
-    def exit_code(self) -> int:
-        """The code a training script exits with once ``step()`` returned True.
-
-        ``EXIT_RESTART_IN_PLACE`` (76) when the notice's save committed to the memory tier:
-        the operator replaces only the noticed node's pods and the others' trainers restart
-        in place (the memory survives in the kept pods and the peers' replicas). Otherwise
-        ``EXIT_STOPPED_AFTER_NOTICE`` (75): the pods are replaced. A SIGTERM's save is always
-        75: the process is being stopped."""
-        status = self._reporter.status
-        if (
-            status.state == State.COMMITTED
-            and status.trigger == Trigger.NOTICE.value
-            and status.tier in (Tier.MEMORY.value, Tier.PROMOTED.value)
-        ):
-            return EXIT_RESTART_IN_PLACE
-        return EXIT_STOPPED_AFTER_NOTICE
-
-    def wait(self) -> None:
-        """Wait for a background save, a memory-tier snapshot and a promotion in flight;
-        raise a failure."""
-        if self._saver is not None:
-            self._drain()
-        if self._fast is not None:
-            self._fast.wait()
-            self._fast.wait_promotion()
-
-    @property
-    def restored(self) -> RestoreInfo:
-        """What the last ``restore()`` loaded: the step, and the tier it came from
-        (``"memory"``: the snapshot in ``fast_dir``; ``"durable"``: the checkpoint uri)."""
-        return self._restored
-
-    def close(self) -> None:
-        """Drain the background save (raising its failure) and restore the SIGTERM handler."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._settle_agreement(on_close=True)
-            if self._saver is not None:
-                try:
-                    self._drain()
-                finally:
-                    self._saver.close()
-        finally:
-            if self._fast is not None:
-                self._fast.close()
-            if self._sigterm is not None:
-                self._sigterm.uninstall()
-            # Last: nothing of this Checkpointer runs a collective after this.
-            group, self._group = self._group, None
-            release_group(group)
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---- state ----------------------------------------------------------------------------
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        """The model this Checkpointer saves and restores."""
-        return self._objects.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer this Checkpointer saves and restores."""
-        return self._objects.optimizer
-
-    @property
-    def scheduler(self) -> Any | None:
-        """The LR scheduler this Checkpointer saves and restores."""
-        return self._objects.scheduler
-
-    @property
-    def dataloader(self) -> Any | None:
-        """The dataloader whose position this Checkpointer saves and restores."""
-        return self._objects.dataloader
-
-    @property
-    def extra(self) -> Mapping[str, Any] | None:
-        """The extra objects this Checkpointer saves and restores."""
-        return self._objects.extra
 
     def _load(self, step: int, storage: Storage) -> None:
         self._reuse.forget()  # whatever this load writes, the record is rebuilt from it
@@ -583,7 +660,7 @@ class Checkpointer:
         )
         note = self._objects.apply(state, info, step)
         if note is not None:
-            self._resume_note = note
+            self._engine.resume_note = note
         if storage is self.storage:
             # A durable step: the next durable save may reference what it holds. A memory
             # snapshot's files live in fast_dir, which durable steps never reference: after a
@@ -591,172 +668,8 @@ class Checkpointer:
             flat = api.flatten(self._objects.for_save(step))
             self._reuse.restored(_catalog.read_manifest(storage, step), flat, self._frozen())
 
-    # ---- saving ---------------------------------------------------------------------------
-
-    def _prepare(self, step: int) -> tuple[api.FlatState, api.SavePlan]:
-        """Flatten and plan ``step`` for a durable save (every rank: the reuse decision is a
-        collective): the plan leaves out the tensors it references in earlier durable steps.
-        The memory tier plans the whole state of the same flat state (:meth:`_whole`)."""
-        flat = api.flatten(self._objects.for_save(step))
-        whole = self._whole(flat)
-        self._whole_bytes = whole.nbytes
-        return flat, self._reuse.plan(flat, whole, step, self._frozen())
-
-    def _whole(self, flat: api.FlatState) -> api.SavePlan:
-        """The plan of every tensor of ``flat``: what a memory snapshot writes. Snapshots carry
-        the frozen base, so that a recovering pod restores from a snapshot alone (planned
-        once for a loop's layout)."""
-        return self._plans.plan(flat, self.rank, self.world_size)
-
-    def _memory_estimate(self, nbytes: int) -> float:
-        """The notice's estimate of a memory commit: of the whole state's bytes, not of the
-        durable save's ``nbytes`` (which leaves out what it references)."""
-        assert self._fast is not None
-        return self._fast.notice_estimate(max(nbytes, self._whole_bytes))
-
     def _frozen(self) -> set[int]:
         return frozen_storages(self._objects.model)
-
-    def _save(
-        self,
-        step: int,
-        *,
-        trigger: str,
-        background: bool,
-        prepared: tuple[api.FlatState, api.SavePlan] | None = None,
-    ) -> api.SaveInfo | None:
-        """Save ``step``; returns what the save did, or None when it runs in the background."""
-        # An overlapped agreement finishes before the save's collectives use the same group;
-        # its answer is kept and acted on at the next boundary, as planned.
-        self._settle_agreement()
-        start = time.perf_counter()
-        self._last_save_time = self._clock()
-        self._last_saved_step = step
-        self._register_attempt()
-        extra = {"baton": {"resume": self._resume_note}} if self._resume_note else None
-        if background:
-            assert self._saver is not None
-            # At most one save in flight: wait for (and raise the failure of) the previous.
-            self._saver.wait_previous()
-            flat, plan = prepared or self._prepare(step)
-            refs, on_manifest = self._reuse.for_save(plan)
-            handle = stage_and_commit(
-                self._saver,
-                flat,
-                plan,
-                self.storage,
-                step=step,
-                trigger=trigger,
-                on_commit=self._after_commit,
-                attempt=self._attempt,
-                extra=extra,
-                references=refs,
-                on_manifest=on_manifest,
-            )
-            self._resume_note = None
-            log.debug("step %d staged in %.3fs", step, handle.stage_seconds)
-            return None
-        self._drain()
-        flat, plan = prepared or self._prepare(step)
-        refs, on_manifest = self._reuse.for_save(plan)
-        info = api.write_and_commit(
-            self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
-            process_group=self._group, timeout=self.config.timeout.total_seconds(),
-            started=start, attempt=self._attempt, extra=extra, references=refs,
-            on_manifest=on_manifest,
-        )  # fmt: skip
-        self._resume_note = None
-        self._after_commit(info, plan.nbytes)
-        return info
-
-    def _snapshot(self, step: int, prepared: tuple[api.FlatState, api.SavePlan] | None) -> None:
-        """Stage ``step`` into the memory tier; its write and commit run in the background."""
-        assert self._fast is not None
-        self._register_attempt()
-        flat = prepared[0] if prepared else api.flatten(self._objects.for_save(step))
-        handle = self._fast.snapshot(step, flat, self._whole(flat), attempt=self._attempt)
-        log.debug("memory snapshot of step %d staged in %.3fs", step, handle.stage_seconds)
-
-    def _notice_server(self) -> NoticeServer:
-        """Built when a notice is served, not kept: it holds this Checkpointer's methods, and a
-        reference cycle would keep the Checkpointer (and its process groups) alive until
-        interpreter shutdown, where tearing down a gloo group aborts the process."""
-        return NoticeServer(
-            rank=self.rank,
-            group=self._group,
-            deadline_margin=self.config.deadline_margin,
-            board=self._board,
-            status=self._reporter,
-            estimator=self._estimator,
-            drain=self._drain,
-            prepare=self._prepare,
-            probe=self._probe,
-            save=self._save_prepared,
-            last_committed=lambda: self._last_committed,
-            step_uri=self._step_uri,
-            memory=None
-            if self._fast is None
-            else MemoryCommit(
-                estimate=self._memory_estimate,
-                commit=self._commit_memory,
-                promote=self._promote,
-                uri=self._snapshot_uri,
-            ),
-        )
-
-    def _commit_memory(self, step: int, prepared: tuple[api.FlatState, api.SavePlan]) -> bool:
-        """A notice's commit to the memory tier (every rank; waits for the replication)."""
-        assert self._fast is not None
-        self._register_attempt()
-        flat = prepared[0]
-        return self._fast.commit(step, flat, self._whole(flat), attempt=self._attempt)
-
-    def _promote(self, step: int) -> None:
-        """Promote the memory snapshot of ``step`` to the checkpoint uri in the background
-        (every rank at the same point); reported and retained like a commit when it ends."""
-        assert self._fast is not None
-        self._fast.promote_in_background(
-            step, self.storage, attempt=self._attempt, on_done=self._after_promotion
-        )
-
-    def _snapshot_uri(self, step: int) -> str:
-        assert self._fast is not None
-        return f"{self._fast.uri.rstrip('/')}/{step_dir(step)}"
-
-    def _after_promotion(self, step: int, error: BaseException | None) -> None:
-        # On the promotion's thread, on every rank.
-        if error is not None:
-            log.error(
-                "rank %d: promoting the memory snapshot of step %d to %s failed: %s. The "
-                "snapshot stays in the memory tier (and its replicas) until a newer one; the "
-                "next durable save makes a later step durable",
-                self.rank,
-                step,
-                self.config.uri,
-                error,
-            )
-            return
-        self._last_committed = max(self._last_committed or 0, step)
-        if self.rank == 0:
-            try:
-                _catalog.retain(
-                    self.storage,
-                    committed=step,
-                    keep_last=self.config.keep_last,
-                    attempt=self._attempt,
-                )
-            except Exception as e:  # committed; retention is tidying up only
-                log.warning("step %d is promoted, but retention under %s failed: %s", step,
-                            self.config.uri, e)  # fmt: skip
-        status = self._reporter.status
-        if status.step == step and status.tier == Tier.MEMORY.value:
-            self._reporter.update(
-                tier=Tier.PROMOTED.value, uri=self._step_uri(step), last_committed_step=step
-            )
-        else:
-            self._reporter.update(last_committed_step=self._last_committed)
-        log.info("rank %d: step %d is durable under %s (promoted)", self.rank, step,
-                 self.config.uri)  # fmt: skip
 
     def _needs_promotion(self, step: int) -> bool:
         """After a restore from the memory tier: whether to promote the snapshot of ``step``
@@ -799,157 +712,6 @@ class Checkpointer:
                 what="restore: promoting the memory snapshot",
             )
         return bool(promote)
-
-    def _save_prepared(
-        self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
-    ) -> api.SaveInfo:
-        """A synchronous save of an already prepared step (the notice path)."""
-        info = self._save(step, trigger=trigger, background=False, prepared=prepared)
-        assert info is not None  # a synchronous save always returns what it did
-        return info
-
-    def _after_commit(self, info: api.SaveInfo, rank_bytes: int) -> None:
-        # Runs on the training thread (sync saves) or the worker thread (async saves), after
-        # the manifest is written: only now may older checkpoints go.
-        self._estimator.record(rank_bytes, info.seconds)
-        self._last_committed = info.step
-        if self._fast is not None and self._fast.promoting is not None:
-            # Retention deletes incomplete directories older than the commit: not the one a
-            # promotion is filling. The next commit's retention catches up.
-            log.debug("retention skipped: step %d is being promoted", self._fast.promoting)
-        elif self.rank == 0:
-            try:
-                _catalog.retain(
-                    self.storage,
-                    committed=info.step,
-                    keep_last=self.config.keep_last,
-                    attempt=self._attempt,
-                )
-            except Exception as e:  # the step is committed; retention is tidying up only
-                log.warning(
-                    "step %d is committed, but deleting old checkpoints under %s failed "
-                    "(%s: %s); they are kept and retried after the next save",
-                    info.step,
-                    self.config.uri,
-                    type(e).__name__,
-                    e,
-                )
-        if info.trigger in ROUTINE_TRIGGERS:
-            # A routine save is a finished save too: the sidecar's duration, phase and bytes
-            # metrics (and the dashboards built on them) come from this status. No request
-            # id, so neither the sidecar nor the operator takes it for a served notice.
-            self._reporter.update(
-                state=State.COMMITTED,
-                request_id=None,
-                step=info.step,
-                tier=Tier.DURABLE.value,
-                trigger=info.trigger,
-                deadline=None,
-                error=None,
-                seconds=info.seconds,
-                phases=info.phases,
-                bytes=info.bytes,
-                uri=self._step_uri(info.step),
-                last_committed_step=info.step,
-            )
-        else:  # emergency saves report through the NoticeServer, with their notice's details
-            self._reporter.update(last_committed_step=info.step)
-
-    # ---- the notice agreement ------------------------------------------------------------
-
-    def _local_notice(self) -> LocalNotice:
-        handle = self._saver.in_flight if self._saver is not None else None
-        due_seconds = (
-            self.config.every_seconds is not None
-            and self._clock() - self._last_save_time >= self.config.every_seconds
-        )
-        return self._board.local(
-            background_failed=handle is not None and handle.exception() is not None,
-            periodic_due=due_seconds,
-        )
-
-    def _overlap_next(self, agreement: Agreement) -> bool:
-        """Whether to overlap the next agreement with the next step. Decided from agreed
-        values only (rank 0's clock), so every rank decides the same."""
-        previous, self._last_boundary = self._last_boundary, agreement.rank0_monotonic
-        below = self.config.notice_overlap_below
-        if below <= 0:
-            return False
-        return previous is None or agreement.rank0_monotonic - previous < below
-
-    def _settle_agreement(self, *, on_close: bool = False) -> None:
-        pending = self._pending
-        if pending is None:
-            return
-        if not on_close:
-            pending.wait(self.config.timeout)
-            return
-        self._pending = None
-        try:
-            agreement = pending.wait(self.config.timeout)
-        except Exception as e:  # closing: the other ranks may be gone; never hang or mask
-            log.warning(
-                "rank %d: the last notice agreement (step %d) did not finish at close: %s",
-                self.rank,
-                pending.step,
-                e,
-            )
-            return
-        if agreement.notice:
-            log.warning(
-                "rank %d: a notice (%s) arrived during the last step and was not served: the "
-                "Checkpointer was closed first",
-                self.rank,
-                ", ".join(sorted(agreement.sources)),
-            )
-
-    def _drain(self) -> None:
-        if self._saver is None:
-            return
-        self._saver.wait_previous()
-
-    def _raise_background_failure(self) -> None:
-        try:
-            self._drain()
-        except BaseException as e:
-            raise CheckpointError(
-                f"a background save failed: {e}. The previous complete checkpoint is "
-                "unaffected; fix the cause (see the chained error) and restart"
-            ) from e
-        raise CheckpointError(
-            "a background save failed on another rank (see that rank's log); the previous "
-            "complete checkpoint is unaffected"
-        )
-
-    # ---- helpers --------------------------------------------------------------------------
-
-    def _register_attempt(self) -> None:
-        """Record this writer's attempt in the fence, once (``BATON_ATTEMPT``, or a generation
-        derived from the uri's history outside Kubernetes). Rank 0 registers it and every
-        rank learns it (bounded), so that every rank can refuse to write once superseded."""
-        if self._attempt is not None:
-            return
-        attempt: Any = None
-        error: str | None = None
-        if self.rank == 0:
-            try:
-                attempt = api.register_attempt(self.storage, env_number("BATON_ATTEMPT", int))
-            except Exception as e:
-                if self._group is None:
-                    raise
-                error = f"{type(e).__name__}: {e}"
-        if self._group is not None:
-            attempt, error = broadcast_json(
-                [attempt, error],
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
-                what="registering the attempt",
-            )
-        if error is not None:
-            raise CheckpointError(f"rank 0 could not register this run's attempt: {error}")
-        self._attempt = int(attempt)
-        if self.rank == 0:
-            log.info("writing under %s as attempt %d", self.config.uri, self._attempt)
 
     def _agreed_steps(self) -> list[int]:
         """Rank 0's list of step directories (complete or not), on every rank; bounded."""
@@ -1045,20 +807,7 @@ class Checkpointer:
         worst = max(int(v) for v in verdicts)
         return worst, next(r for r, v in enumerate(verdicts) if int(v) == worst)
 
-    def _probe(self) -> None:
-        try:
-            nbytes, seconds = probe_write(
-                self.storage, rank=self.rank, nbytes=self.config.probe_bytes
-            )
-        except (OSError, BatonError) as e:
-            log.warning(
-                "probe write to %s failed (%s): no save-time estimate yet", self.config.uri, e
-            )
-            return
-        self._estimator.record(nbytes, seconds, probe=True)
-
-    def _step_uri(self, step: int) -> str:
-        return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
+    # ---- helpers --------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

@@ -527,8 +527,8 @@ def test_every_seconds_saves_by_the_clock(tmp_path: Path) -> None:
     with Checkpointer(
         str(tmp_path), model=model, optimizer=opt, every_seconds=60, keep_last=10
     ) as ck:
-        ck._clock = lambda: now[0]
-        ck._last_save_time = now[0]
+        ck._engine.clock = lambda: now[0]
+        ck._engine.last_save_time = now[0]
         for step in range(1, 8):
             _train(model, opt)
             now[0] += 25.0  # 25 s per step: due at 75 s (step 3), then at 150 s (step 6)

@@ -276,9 +276,9 @@ def test_the_save_estimate_counts_only_the_bytes_written(tmp_path: Path) -> None
     model, opt = _model()
     with Checkpointer(tmp_path, model=model, optimizer=opt) as ck:
         ck.restore()
-        full = ck._prepare(1)[1].nbytes
+        full = ck._engine.prepare(1)[1].nbytes
         ck.save(1)
-        later = ck._prepare(2)[1].nbytes
+        later = ck._engine.prepare(2)[1].nbytes
     base = sum(p.numel() * p.element_size() for p in model[0].parameters())
     assert full - later == base
 
