@@ -2,7 +2,7 @@
 
 The :class:`~trainer_sdk.checkpointer.Checkpointer` decides *when* (its policies and the notice
 agreement), :class:`~trainer_sdk._notices.NoticeServer` serves a notice and
-``restore()`` loads a step; :class:`SaveEngine` does the writing
+:class:`~trainer_sdk._restoring.Restorer` loads a step; :class:`SaveEngine` does the writing
 for all three: flatten and plan a step (``prepare``, with incremental references), a durable
 save in the foreground or the background (``save``), a memory-tier snapshot (``snapshot``),
 a notice's commit to the memory tier (``commit_memory``), its promotion to durable storage and
