@@ -30,6 +30,9 @@ commit, and its phases) and the manifest's ``time``.
 
 Not a test: timings are never assertions. Every figure is printed with the table that
 ``docs/performance.md`` holds.
+
+Why one module of this size: both modes start the same cluster, operator and trainer pods,
+take the same notice and read the same timestamps; they differ only in what they measure.
 """
 
 from __future__ import annotations

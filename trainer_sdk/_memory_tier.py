@@ -33,7 +33,7 @@ The durable tier never waits for this one: a durable or notice save does not wai
 snapshot in flight (they use other threads, buffers and process groups), and the snapshot
 writer yields the CPU to them.
 
-One module just over 600 lines: the snapshot, its commit, its promotion and the restore from
+Why one module of this size: the snapshot, its commit, its promotion and the restore from
 memory share the tier's state (the pinned step, the savers, the peers' replicas).
 """
 
@@ -155,7 +155,7 @@ class MemoryTier:
     snapshot copied to the peers before older ones are deleted, and fills ``fast_dir`` from
     the peers before a restore lists it.
 
-    Just over 400 lines, as one class: the snapshot, the notice's commit, the promotion and
+    Why one class of this size: the snapshot, the notice's commit, the promotion and
     the restore from memory all read and change the same few fields (the pinned step, the
     staging buffers and savers, the peers' replicas), which a split would pass back and forth.
     """

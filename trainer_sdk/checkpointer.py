@@ -89,6 +89,11 @@ class Checkpointer:
 
     Build it on every rank, on the main thread, after ``init_process_group`` (if any) and
     after building the model, optimizer, scheduler and dataloader.
+
+    Why one class of this size: it is the public face of the SDK (the constructor's options,
+    ``step``, ``save``, ``restore``, ``wait``, ``close`` and the properties), each with its
+    argument checks and documentation; the work is in :class:`~trainer_sdk._save_engine.SaveEngine`,
+    :class:`~trainer_sdk._restoring.Restorer`, the memory tier and the notice server.
     """
 
     def __init__(

@@ -31,7 +31,7 @@ a plain Checkpointer's step needs the config passed in. ``export_hf(merge_adapte
 writes the base model with a LoRA adapter merged into its weights instead, computed as PEFT's
 ``merge_and_unload()`` computes it.
 
-One module over 600 lines: the whole-model, adapter and merged exports share the step lookup,
+Why one module of this size: the whole-model, adapter and merged exports share the step lookup,
 the selection of the model's tensors, the streaming into shards and the rule that a failed
 export leaves no files behind (and the CLI's runner beside them); split, each would re-import
 those private parts.

@@ -10,7 +10,7 @@ the fix, so that the API server refuses a bad TrainingJob with a sentence, not a
 The operator keeps kopf's own bookkeeping in annotations (see ``settings.py``), so the status
 schema below is complete: nothing unknown is written there, and nothing is pruned.
 
-One module over 600 lines: the schema is one object, and each field's description and CEL
+Why one module of this size: the schema is one object, and each field's description and CEL
 rules (the Pod Security ones for every container kind among them) stand beside the field;
 split by section, a reader would follow one field through several files.
 """

@@ -18,7 +18,7 @@ Two ways to rendezvous (docs/operator.md, "Gang scheduling"):
   client retries a name that does not resolve yet until its timeout, as it retries a refused
   connection.
 
-One module over 600 lines: every object the operator creates for a job (pods, Service,
+Why one module of this size: every object the operator creates for a job (pods, Service,
 PodGroup, Secret) and every name derived for them is built here, so that names, labels and
 selectors agree by construction.
 """

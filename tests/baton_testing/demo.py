@@ -11,6 +11,11 @@ uninterrupted for the reference, measures every interruption and draws the loss 
 
 It is importable from the project's ``.venv`` (``make venv`` names ``tests/`` in it through a
 ``.pth`` file), as pytest's ``pythonpath`` makes it for the tests.
+
+Why one module of this size: the demo, its goodput version (``bench/goodput.py``) and the
+demo's test drive one sequence of the same processes (cluster, S3 server, operator, job,
+interruptions, reference run, measurements, plot), and :class:`Demo` holds their handles and
+their order; the reports those runs print are built from the same few records.
 """
 
 from __future__ import annotations
@@ -232,7 +237,11 @@ def reference_run(cfg: DemoConfig) -> tuple[str, list[dict[str, Any]]]:
 
 
 class Demo:
-    """The processes of one demo run; :meth:`close` stops all of them."""
+    """The processes of one demo run; :meth:`close` stops all of them.
+
+    Why one class of this size: it is the run's sequence (cluster, S3, operator, job,
+    interruptions, reference), and each step uses the handles the ones before it started.
+    """
 
     def __init__(self, cfg: DemoConfig) -> None:
         self.cfg = cfg

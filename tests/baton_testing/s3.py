@@ -22,6 +22,10 @@ Fixtures (registered through ``pytest_plugins`` in ``tests/conftest.py``):
 * ``versitygw_bucket`` (function): the same on versitygw only, for what moto does not check.
 * ``s3_faults`` (function): like ``s3_bucket``, but ``AWS_ENDPOINT_URL_S3`` points at a
   :class:`FaultProxy`; tests add :class:`Fault` rules and read the proxy's request log.
+
+Why one module of this size: the two servers, the proxy and the fixtures are one tool for
+the S3 tests: every fixture starts a server, some put the proxy in front of it, and the
+proxy's faults are written against what both servers answer.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ notice lands mid-run however slow the machine (``Baton.notice_while_held``); a r
 :func:`launch` starts it on N local ranks as real processes (tests kill them with real signals),
 forked from a process that imported torch once (``baton_testing.warm_start``).
 The sidecar tests and the demo reuse it as their trainer.
+
+Why one module of this size: it is one training script, and every option above changes the
+same loop (the model, its state and the hold); split, the loop would read its options from
+several files.
 """
 
 from __future__ import annotations

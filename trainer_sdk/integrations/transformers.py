@@ -37,7 +37,7 @@ extension points, read from its source):
   :meth:`~trainer_sdk.Checkpointer.step`, which serves SIGTERM and the sidecar's requests with
   a save at a step every rank agrees on, then stops training (``preempted`` is True).
 
-One module (over 600 lines): the hooks above, the refusals of settings and subclasses that
+Why one module of this size: the hooks above, the refusals of settings and subclasses that
 would break them, and the progress state they save only make sense read together, against
 one pinned ``transformers``.
 """

@@ -235,7 +235,7 @@ class S3Storage:
 
     Thread-safe: one boto3 client serves every writer and reader of this storage.
 
-    About 470 lines, as one class: it is the whole :class:`~trainer_sdk.storage.Storage`
+    Why one class of this size: it is the whole :class:`~trainer_sdk.storage.Storage`
     protocol on S3 (some twenty operations, each short), and every one goes through the same
     client, key mapping, retry policy and error translation; the multipart writer is its own
     class below.
