@@ -24,13 +24,11 @@ from typing import Any, Final
 
 from trainer_sdk import _catalog, api
 from trainer_sdk._collectives import all_gather_json, broadcast_json
-from trainer_sdk._config import CheckpointerConfig, env_number
-from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
-from trainer_sdk._reuse import Reuse, frozen_storages
-from trainer_sdk._save_engine import SaveEngine
-from trainer_sdk._status import StatusReporter
-from trainer_sdk._training_state import ResumeError, TrainingState
+from trainer_sdk._config import env_number
+from trainer_sdk._memory_tier import RestoreInfo
+from trainer_sdk._reuse import frozen_storages
+from trainer_sdk._save_engine import RankParts, SaveEngine
+from trainer_sdk._training_state import ResumeError
 from trainer_sdk.errors import CheckpointError, UnreadableCheckpointError
 from trainer_sdk.layout import FILE_RE, step_dir
 from trainer_sdk.storage import Storage
@@ -66,32 +64,8 @@ class Restorer:
     called by every rank at the same point (each of its collectives is bounded).
     """
 
-    def __init__(
-        self,
-        *,
-        config: CheckpointerConfig,
-        rank: int,
-        world_size: int,
-        storage: Storage,
-        group: Any | None,
-        objects: TrainingState,
-        fast: MemoryTier | None,
-        reuse: Reuse,
-        estimator: SaveEstimator,
-        reporter: StatusReporter,
-        engine: SaveEngine,
-    ) -> None:
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.storage = storage
-        self._group = group
-        """The Checkpointer's gloo group for main-thread collectives; None: one process."""
-        self._objects = objects
-        self._fast = fast
-        self._reuse = reuse
-        self._estimator = estimator
-        self._reporter = reporter
+    def __init__(self, parts: RankParts, *, engine: SaveEngine) -> None:
+        self.parts = parts
         self._engine = engine
         self.restored = RestoreInfo(step=0, tier=None, uri=None)
         """What the last restore loaded (unchanged by one that found nothing)."""
@@ -103,17 +77,18 @@ class Restorer:
         expected = env_number("BATON_RESUME_STEP", int)
         self._engine.register_attempt()
         steps = self._agreed_steps()
-        snapshots = self._agreed_snapshots() if self._fast is not None else []
-        if not self._estimator.measured:
+        snapshots = self._agreed_snapshots() if self.parts.fast is not None else []
+        if not self.parts.estimator.measured:
             self._engine.probe()
         loaded, tier, root = self._load_newest(steps, snapshots)
         self._check_expected(expected, loaded)
-        if self._fast is not None:
+        if self.parts.fast is not None:
             self._clear_snapshots(keep=loaded if tier == Tier.MEMORY else None)
         if loaded is None:
-            log.info("no checkpoint under %s: starting from step 0", self.config.uri)
+            log.info("no checkpoint under %s: starting from step 0", self.parts.config.uri)
             return 0
-        if self._fast is not None and tier == Tier.DURABLE and not snapshots and self.rank == 0:
+        memory_on = self.parts.fast is not None
+        if memory_on and tier == Tier.DURABLE and not snapshots and self.parts.rank == 0:
             # The memory tier is on but had no step every rank could load (a pod and the
             # holder of its replica both lost, say): the steps since this one are lost.
             log.warning(
@@ -129,11 +104,11 @@ class Restorer:
         )
         self._engine.restored(loaded, durable=tier == Tier.DURABLE)
         if tier == Tier.DURABLE:
-            self._reporter.update(
+            self.parts.reporter.update(
                 last_committed_step=loaded, restored_step=loaded, restored_tier=Tier.DURABLE.value
             )
         else:
-            self._reporter.update(restored_step=loaded, restored_tier=Tier.MEMORY.value)
+            self.parts.reporter.update(restored_step=loaded, restored_tier=Tier.MEMORY.value)
             if self._needs_promotion(loaded):
                 self._engine.promote(loaded)
         return loaded
@@ -151,12 +126,11 @@ class Restorer:
         )
         loaded: int | None = None
         tier: Tier | None = None
-        root = self.config.uri
+        root = self.parts.config.uri
         for candidate, where in candidates:
-            storage = (
-                self.storage if where == Tier.DURABLE or self._fast is None else self._fast.storage
-            )
-            root = self.config.uri if where == Tier.DURABLE else storage.uri
+            fast = self.parts.fast
+            storage = self.parts.storage if where == Tier.DURABLE or fast is None else fast.storage
+            root = self.parts.config.uri if where == Tier.DURABLE else storage.uri
             error: BaseException | None = None
             verdict = _LOAD_OK
             try:
@@ -221,9 +195,9 @@ class Restorer:
         if expected is not None and (loaded is None or loaded < expected):
             msg = (
                 f"BATON_RESUME_STEP={expected} but the newest loadable checkpoint under "
-                f"{self.config.uri} is {'none' if loaded is None else f'step {loaded}'}"
+                f"{self.parts.config.uri} is {'none' if loaded is None else f'step {loaded}'}"
             )
-            if not self.config.resume_fallback:
+            if not self.parts.config.resume_fallback:
                 raise ResumeError(
                     f"{msg}: check the storage, or pass resume_fallback=True to resume from the "
                     "newest loadable step"
@@ -237,30 +211,30 @@ class Restorer:
             )
 
     def _load(self, step: int, storage: Storage) -> None:
-        self._reuse.forget()  # whatever this load writes, the record is rebuilt from it
-        state = self._objects.build(step)
+        self.parts.reuse.forget()  # whatever this load writes, the record is rebuilt from it
+        state = self.parts.objects.build(step)
         info = api.load(
             state,
             storage,
             step=step,
-            process_group=self._group,
-            timeout=self.config.timeout.total_seconds(),
+            process_group=self.parts.group,
+            timeout=self.parts.config.timeout.total_seconds(),
             # The durable tier: api.load's choice (each byte read once on S3). A memory snapshot
             # is in each pod's own memory, where every rank reading its own copy is faster.
-            cooperative=None if storage is self.storage else False,
+            cooperative=None if storage is self.parts.storage else False,
         )
-        note = self._objects.apply(state, info, step)
+        note = self.parts.objects.apply(state, info, step)
         if note is not None:
             self._engine.resume_note = note
-        if storage is self.storage:
+        if storage is self.parts.storage:
             # A durable step: the next durable save may reference what it holds. A memory
             # snapshot's files live in fast_dir, which durable steps never reference: after a
             # restore from one, the next durable save writes everything.
-            flat = api.flatten(self._objects.for_save(step))
-            self._reuse.restored(_catalog.read_manifest(storage, step), flat, self._frozen())
+            flat = api.flatten(self.parts.objects.for_save(step))
+            self.parts.reuse.restored(_catalog.read_manifest(storage, step), flat, self._frozen())
 
     def _frozen(self) -> set[int]:
-        return frozen_storages(self._objects.model)
+        return frozen_storages(self.parts.objects.model)
 
     def _needs_promotion(self, step: int) -> bool:
         """After a restore from the memory tier: whether to promote the snapshot of ``step``
@@ -269,23 +243,23 @@ class Restorer:
         saves), so that losing every copy in memory later cannot lose it; not when the world
         size changed (every rank copies its own files, and the new ranks have none: the next
         durable save makes a later step durable)."""
-        assert self._fast is not None
+        assert self.parts.fast is not None
         promote = False
-        if self.rank == 0:
+        if self.parts.rank == 0:
             try:
-                names = self._fast.storage.list_dir(step_dir(step))
+                names = self.parts.fast.storage.list_dir(step_dir(step))
             except OSError:
                 names = []
             worlds = {int(m.group(2)) for n in names if (m := FILE_RE.fullmatch(n))}
-            if self.storage.exists(_catalog.manifest_key(step)):
+            if self.parts.storage.exists(_catalog.manifest_key(step)):
                 promote = False
-            elif worlds != {self.world_size}:
+            elif worlds != {self.parts.world_size}:
                 log.info(
                     "the memory snapshot of step %d (world %s) is not promoted at this world "
                     "size (%d); the next durable save makes a later step durable",
                     step,
                     sorted(worlds),
-                    self.world_size,
+                    self.parts.world_size,
                 )
             else:
                 promote = True
@@ -293,28 +267,28 @@ class Restorer:
                     "step %d was restored from the memory tier and is not durable yet: "
                     "promoting it to %s in the background",
                     step,
-                    self.config.uri,
+                    self.parts.config.uri,
                 )
-        if self._group is not None:
+        if self.parts.group is not None:
             promote = broadcast_json(
                 promote,
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
+                group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
                 what="restore: promoting the memory snapshot",
             )
         return bool(promote)
 
     def _agreed_steps(self) -> list[int]:
         """Rank 0's list of step directories (complete or not), on every rank; bounded."""
-        steps = api.step_dirs(self.storage) if self.rank == 0 else []
-        if self._group is None:
+        steps = api.step_dirs(self.parts.storage) if self.parts.rank == 0 else []
+        if self.parts.group is None:
             return steps
         return [
             int(s)
             for s in broadcast_json(
                 steps,
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
+                group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
                 what="restore: listing the checkpoints",
             )
         ]
@@ -323,16 +297,16 @@ class Restorer:
         """The memory-tier snapshots that every rank can load, newest first; bounded. A rank
         that cannot load the newest one (its pod was replaced, its emptyDir is empty, a file
         is missing) holds the whole group to an older step, or to the durable tier."""
-        assert self._fast is not None
-        ok, why = self._fast.local_steps()
+        assert self.parts.fast is not None
+        ok, why = self.parts.fast.local_steps()
         mine: list[Any] = [ok, {str(s): r for s, r in why.items()}]
         raw = (
             [mine]
-            if self._group is None
+            if self.parts.group is None
             else all_gather_json(
                 mine,
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
+                group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
                 what="restore: listing the memory snapshots",
             )
         )
@@ -340,7 +314,7 @@ class Restorer:
         reasons: list[dict[str, str]] = [dict(view[1]) for view in raw]
         common = set.intersection(*loadable)
         newest = max(set.union(*loadable), default=None)
-        if self.rank == 0 and newest is not None and newest not in common:
+        if self.parts.rank == 0 and newest is not None and newest not in common:
             lacking = [
                 f"rank {r} ({reasons[r].get(str(newest), 'no such snapshot')})"
                 for r, have in enumerate(loadable)
@@ -360,19 +334,19 @@ class Restorer:
     def _clear_snapshots(self, *, keep: int | None) -> None:
         """After a restore: delete the snapshots of a run that is gone (every one but ``keep``),
         then wait for every rank, so that no new snapshot starts before its step is free."""
-        assert self._fast is not None
+        assert self.parts.fast is not None
         error: str | None = None
         try:
-            self._fast.clear(keep=keep)
+            self.parts.fast.clear(keep=keep)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
         errors = (
             [error]
-            if self._group is None
+            if self.parts.group is None
             else all_gather_json(
                 error,
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
+                group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
                 what="restore: clearing old memory snapshots",
             )
         )
@@ -380,19 +354,19 @@ class Restorer:
         if failed:
             r = min(failed)
             raise CheckpointError(
-                f"rank {r} could not delete old memory snapshots under {self._fast.uri}: "
+                f"rank {r} could not delete old memory snapshots under {self.parts.fast.uri}: "
                 f"{failed[r]}. A new snapshot of their step would be refused; check the "
                 "directory's permissions, or empty it and restart"
             )
 
     def _worst(self, verdict: int, step: int) -> tuple[int, int]:
         """The worst load verdict of all ranks and the first rank that has it; bounded."""
-        if self._group is None:
-            return verdict, self.rank
+        if self.parts.group is None:
+            return verdict, self.parts.rank
         verdicts = all_gather_json(
             verdict,
-            group=self._group,
-            timeout=self.config.timeout.total_seconds(),
+            group=self.parts.group,
+            timeout=self.parts.config.timeout.total_seconds(),
             what=f"restore: loading step {step}",
         )
         worst = max(int(v) for v in verdicts)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trainer_sdk import _catalog, api
@@ -41,9 +42,29 @@ from trainer_sdk.staging import AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import ROUTINE_TRIGGERS, State, Tier
 
-__all__ = ["SaveEngine"]
+__all__ = ["RankParts", "SaveEngine"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankParts:
+    """What the Checkpointer builds once on each rank and hands to both the save engine and
+    the restorer (:class:`~trainer_sdk._restoring.Restorer`): one object, so that a part added
+    reaches both, and neither holds the Checkpointer."""
+
+    config: CheckpointerConfig
+    rank: int
+    world_size: int
+    storage: Storage
+    group: Any | None
+    """The Checkpointer's gloo group for main-thread collectives; None: one process."""
+    objects: TrainingState
+    fast: MemoryTier | None
+    """The memory tier; None when it is off."""
+    reuse: Reuse
+    estimator: SaveEstimator
+    reporter: StatusReporter
 
 
 class SaveEngine:
@@ -54,35 +75,11 @@ class SaveEngine:
     is called by every rank at the same point, as the Checkpointer's own methods were.
     """
 
-    def __init__(
-        self,
-        *,
-        config: CheckpointerConfig,
-        rank: int,
-        world_size: int,
-        storage: Storage,
-        group: Any | None,
-        objects: TrainingState,
-        saver: AsyncSaver | None,
-        fast: MemoryTier | None,
-        reuse: Reuse,
-        estimator: SaveEstimator,
-        reporter: StatusReporter,
-    ) -> None:
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.storage = storage
-        self._group = group
-        """The Checkpointer's gloo group for main-thread collectives; None: one process."""
-        self._objects = objects
+    def __init__(self, parts: RankParts, *, saver: AsyncSaver | None) -> None:
+        self.parts = parts
         self._saver = saver
-        self._fast = fast
         self._plans = PlanCache()  # the same tensors at every save: planned once
         self._whole_bytes = 0  # this rank's bytes of the whole state, at the last prepare
-        self._reuse = reuse
-        self._estimator = estimator
-        self._reporter = reporter
         self.clock: Callable[[], float] = time.monotonic
         """The clock of the every_seconds policy (only rank 0's reading counts); replaceable
         so that tests can drive time."""
@@ -98,7 +95,7 @@ class SaveEngine:
     @property
     def fast(self) -> MemoryTier | None:
         """The memory tier; None when it is off."""
-        return self._fast
+        return self.parts.fast
 
     # ---- durable saves ----------------------------------------------------------------------
 
@@ -106,25 +103,25 @@ class SaveEngine:
         """Flatten and plan ``step`` for a durable save (every rank: the reuse decision is a
         collective): the plan leaves out the tensors it references in earlier durable steps.
         The memory tier plans the whole state of the same flat state (:meth:`_whole`)."""
-        flat = api.flatten(self._objects.for_save(step))
+        flat = api.flatten(self.parts.objects.for_save(step))
         whole = self._whole(flat)
         self._whole_bytes = whole.nbytes
-        return flat, self._reuse.plan(flat, whole, step, self._frozen())
+        return flat, self.parts.reuse.plan(flat, whole, step, self._frozen())
 
     def _whole(self, flat: api.FlatState) -> api.SavePlan:
         """The plan of every tensor of ``flat``: what a memory snapshot writes. Snapshots carry
         the frozen base, so that a recovering pod restores from a snapshot alone (planned
         once for a loop's layout)."""
-        return self._plans.plan(flat, self.rank, self.world_size)
+        return self._plans.plan(flat, self.parts.rank, self.parts.world_size)
 
     def memory_estimate(self, nbytes: int) -> float:
         """The notice's estimate of a memory commit: of the whole state's bytes, not of the
         durable save's ``nbytes`` (which leaves out what it references)."""
-        assert self._fast is not None
-        return self._fast.notice_estimate(max(nbytes, self._whole_bytes))
+        assert self.parts.fast is not None
+        return self.parts.fast.notice_estimate(max(nbytes, self._whole_bytes))
 
     def _frozen(self) -> set[int]:
-        return frozen_storages(self._objects.model)
+        return frozen_storages(self.parts.objects.model)
 
     def save(
         self,
@@ -148,12 +145,12 @@ class SaveEngine:
             # At most one save in flight: wait for (and raise the failure of) the previous.
             self._saver.wait_previous()
             flat, plan = prepared or self.prepare(step)
-            refs, on_manifest = self._reuse.for_save(plan)
+            refs, on_manifest = self.parts.reuse.for_save(plan)
             handle = stage_and_commit(
                 self._saver,
                 flat,
                 plan,
-                self.storage,
+                self.parts.storage,
                 step=step,
                 trigger=trigger,
                 on_commit=self._after_commit,
@@ -167,12 +164,12 @@ class SaveEngine:
             return None
         self.drain()
         flat, plan = prepared or self.prepare(step)
-        refs, on_manifest = self._reuse.for_save(plan)
+        refs, on_manifest = self.parts.reuse.for_save(plan)
         info = api.write_and_commit(
-            self.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat, trigger=trigger,
-            process_group=self._group, timeout=self.config.timeout.total_seconds(),
-            started=start, attempt=self.attempt, extra=extra, references=refs,
-            on_manifest=on_manifest,
+            self.parts.storage, plan, flat.tensors(), flat.tree, step=step, flat=flat,
+            trigger=trigger, process_group=self.parts.group,
+            timeout=self.parts.config.timeout.total_seconds(), started=start,
+            attempt=self.attempt, extra=extra, references=refs, on_manifest=on_manifest,
         )  # fmt: skip
         self.resume_note = None
         self._after_commit(info, plan.nbytes)
@@ -189,18 +186,18 @@ class SaveEngine:
     def _after_commit(self, info: api.SaveInfo, rank_bytes: int) -> None:
         # Runs on the training thread (sync saves) or the worker thread (async saves), after
         # the manifest is written: only now may older checkpoints go.
-        self._estimator.record(rank_bytes, info.seconds)
+        self.parts.estimator.record(rank_bytes, info.seconds)
         self.last_committed = info.step
-        if self._fast is not None and self._fast.promoting is not None:
+        if self.parts.fast is not None and self.parts.fast.promoting is not None:
             # Retention deletes incomplete directories older than the commit: not the one a
             # promotion is filling. The next commit's retention catches up.
-            log.debug("retention skipped: step %d is being promoted", self._fast.promoting)
-        elif self.rank == 0:
+            log.debug("retention skipped: step %d is being promoted", self.parts.fast.promoting)
+        elif self.parts.rank == 0:
             try:
                 _catalog.retain(
-                    self.storage,
+                    self.parts.storage,
                     committed=info.step,
-                    keep_last=self.config.keep_last,
+                    keep_last=self.parts.config.keep_last,
                     attempt=self.attempt,
                 )
             except Exception as e:  # the step is committed; retention is tidying up only
@@ -208,7 +205,7 @@ class SaveEngine:
                     "step %d is committed, but deleting old checkpoints under %s failed "
                     "(%s: %s); they are kept and retried after the next save",
                     info.step,
-                    self.config.uri,
+                    self.parts.config.uri,
                     type(e).__name__,
                     e,
                 )
@@ -216,7 +213,7 @@ class SaveEngine:
             # A routine save is a finished save too: the sidecar's duration, phase and bytes
             # metrics (and the dashboards built on them) come from this status. No request
             # id, so neither the sidecar nor the operator takes it for a served notice.
-            self._reporter.update(
+            self.parts.reporter.update(
                 state=State.COMMITTED,
                 request_id=None,
                 step=info.step,
@@ -231,7 +228,7 @@ class SaveEngine:
                 last_committed_step=info.step,
             )
         else:  # emergency saves report through the NoticeServer, with their notice's details
-            self._reporter.update(last_committed_step=info.step)
+            self.parts.reporter.update(last_committed_step=info.step)
 
     def drain(self) -> None:
         """Wait for the background save in flight, if any; raise its failure."""
@@ -244,9 +241,9 @@ class SaveEngine:
         raise a failure."""
         if self._saver is not None:
             self.drain()
-        if self._fast is not None:
-            self._fast.wait()
-            self._fast.wait_promotion()
+        if self.parts.fast is not None:
+            self.parts.fast.wait()
+            self.parts.fast.wait_promotion()
 
     def raise_background_failure(self) -> None:
         """Raise the failure of a background save that failed on this rank or another."""
@@ -266,30 +263,30 @@ class SaveEngine:
 
     def snapshot(self, step: int, prepared: tuple[api.FlatState, api.SavePlan] | None) -> None:
         """Stage ``step`` into the memory tier; its write and commit run in the background."""
-        assert self._fast is not None
+        assert self.parts.fast is not None
         self.register_attempt()
-        flat = prepared[0] if prepared else api.flatten(self._objects.for_save(step))
-        handle = self._fast.snapshot(step, flat, self._whole(flat), attempt=self.attempt)
+        flat = prepared[0] if prepared else api.flatten(self.parts.objects.for_save(step))
+        handle = self.parts.fast.snapshot(step, flat, self._whole(flat), attempt=self.attempt)
         log.debug("memory snapshot of step %d staged in %.3fs", step, handle.stage_seconds)
 
     def commit_memory(self, step: int, prepared: tuple[api.FlatState, api.SavePlan]) -> bool:
         """A notice's commit to the memory tier (every rank; waits for the replication)."""
-        assert self._fast is not None
+        assert self.parts.fast is not None
         self.register_attempt()
         flat = prepared[0]
-        return self._fast.commit(step, flat, self._whole(flat), attempt=self.attempt)
+        return self.parts.fast.commit(step, flat, self._whole(flat), attempt=self.attempt)
 
     def promote(self, step: int) -> None:
         """Promote the memory snapshot of ``step`` to the checkpoint uri in the background
         (every rank at the same point); reported and retained like a commit when it ends."""
-        assert self._fast is not None
-        self._fast.promote_in_background(
-            step, self.storage, attempt=self.attempt, on_done=self._after_promotion
+        assert self.parts.fast is not None
+        self.parts.fast.promote_in_background(
+            step, self.parts.storage, attempt=self.attempt, on_done=self._after_promotion
         )
 
     def snapshot_uri(self, step: int) -> str:
-        assert self._fast is not None
-        return f"{self._fast.uri.rstrip('/')}/{step_dir(step)}"
+        assert self.parts.fast is not None
+        return f"{self.parts.fast.uri.rstrip('/')}/{step_dir(step)}"
 
     def _after_promotion(self, step: int, error: BaseException | None) -> None:
         # On the promotion's thread, on every rank.
@@ -298,33 +295,33 @@ class SaveEngine:
                 "rank %d: promoting the memory snapshot of step %d to %s failed: %s. The "
                 "snapshot stays in the memory tier (and its replicas) until a newer one; the "
                 "next durable save makes a later step durable",
-                self.rank,
+                self.parts.rank,
                 step,
-                self.config.uri,
+                self.parts.config.uri,
                 error,
             )
             return
         self.last_committed = max(self.last_committed or 0, step)
-        if self.rank == 0:
+        if self.parts.rank == 0:
             try:
                 _catalog.retain(
-                    self.storage,
+                    self.parts.storage,
                     committed=step,
-                    keep_last=self.config.keep_last,
+                    keep_last=self.parts.config.keep_last,
                     attempt=self.attempt,
                 )
             except Exception as e:  # committed; retention is tidying up only
                 log.warning("step %d is promoted, but retention under %s failed: %s", step,
-                            self.config.uri, e)  # fmt: skip
-        status = self._reporter.status
+                            self.parts.config.uri, e)  # fmt: skip
+        status = self.parts.reporter.status
         if status.step == step and status.tier == Tier.MEMORY.value:
-            self._reporter.update(
+            self.parts.reporter.update(
                 tier=Tier.PROMOTED.value, uri=self.step_uri(step), last_committed_step=step
             )
         else:
-            self._reporter.update(last_committed_step=self.last_committed)
-        log.info("rank %d: step %d is durable under %s (promoted)", self.rank, step,
-                 self.config.uri)  # fmt: skip
+            self.parts.reporter.update(last_committed_step=self.last_committed)
+        log.info("rank %d: step %d is durable under %s (promoted)", self.parts.rank, step,
+                 self.parts.config.uri)  # fmt: skip
 
     # ---- the record ---------------------------------------------------------------------------
 
@@ -344,38 +341,38 @@ class SaveEngine:
             return
         attempt: Any = None
         error: str | None = None
-        if self.rank == 0:
+        if self.parts.rank == 0:
             try:
-                attempt = api.register_attempt(self.storage, env_number("BATON_ATTEMPT", int))
+                attempt = api.register_attempt(self.parts.storage, env_number("BATON_ATTEMPT", int))
             except Exception as e:
-                if self._group is None:
+                if self.parts.group is None:
                     raise
                 error = f"{type(e).__name__}: {e}"
-        if self._group is not None:
+        if self.parts.group is not None:
             attempt, error = broadcast_json(
                 [attempt, error],
-                group=self._group,
-                timeout=self.config.timeout.total_seconds(),
+                group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
                 what="registering the attempt",
             )
         if error is not None:
             raise CheckpointError(f"rank 0 could not register this run's attempt: {error}")
         self.attempt = int(attempt)
-        if self.rank == 0:
-            log.info("writing under %s as attempt %d", self.config.uri, self.attempt)
+        if self.parts.rank == 0:
+            log.info("writing under %s as attempt %d", self.parts.config.uri, self.attempt)
 
     def probe(self) -> None:
         """Calibrate the save-time estimate with a small write (before a first save)."""
         try:
             nbytes, seconds = probe_write(
-                self.storage, rank=self.rank, nbytes=self.config.probe_bytes
+                self.parts.storage, rank=self.parts.rank, nbytes=self.parts.config.probe_bytes
             )
         except (OSError, BatonError) as e:
             log.warning(
-                "probe write to %s failed (%s): no save-time estimate yet", self.config.uri, e
+                "probe write to %s failed (%s): no save-time estimate yet", self.parts.config.uri, e
             )
             return
-        self._estimator.record(nbytes, seconds, probe=True)
+        self.parts.estimator.record(nbytes, seconds, probe=True)
 
     def step_uri(self, step: int) -> str:
-        return f"{self.storage.uri.rstrip('/')}/{step_dir(step)}"
+        return f"{self.parts.storage.uri.rstrip('/')}/{step_dir(step)}"

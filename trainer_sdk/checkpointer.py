@@ -53,7 +53,7 @@ from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
 from trainer_sdk._notices import NoticeServer
 from trainer_sdk._restoring import Restorer
 from trainer_sdk._reuse import Reuse
-from trainer_sdk._save_engine import SaveEngine
+from trainer_sdk._save_engine import RankParts, SaveEngine
 from trainer_sdk._status import StatusReporter
 from trainer_sdk._training_state import ResumeError, TrainingState
 from trainer_sdk.control import ControlChannel
@@ -221,32 +221,13 @@ class Checkpointer:
         # back to the Checkpointer: one that goes out of scope is freed at once, with its
         # process groups (a cycle would keep them alive until interpreter shutdown, where
         # tearing down a gloo group aborts the process).
-        self._engine = SaveEngine(
-            config=self.config,
-            rank=self.rank,
-            world_size=self.world_size,
-            storage=self.storage,
-            group=self._group,
-            objects=self._objects,
-            saver=self._saver,
-            fast=self._fast,
-            reuse=reuse,
-            estimator=self._estimator,
-            reporter=self._reporter,
-        )
-        self._restorer = Restorer(
-            config=self.config,
-            rank=self.rank,
-            world_size=self.world_size,
-            storage=self.storage,
-            group=self._group,
-            objects=self._objects,
-            fast=self._fast,
-            reuse=reuse,
-            estimator=self._estimator,
-            reporter=self._reporter,
-            engine=self._engine,
-        )
+        parts = RankParts(
+            config=self.config, rank=self.rank, world_size=self.world_size,
+            storage=self.storage, group=self._group, objects=self._objects, fast=self._fast,
+            reuse=reuse, estimator=self._estimator, reporter=self._reporter,
+        )  # fmt: skip
+        self._engine = SaveEngine(parts, saver=self._saver)
+        self._restorer = Restorer(parts, engine=self._engine)
         self._notices = NoticeServer(
             rank=self.rank,
             group=self._group,
