@@ -49,7 +49,7 @@ from trainer_sdk.layout import (
     parse_step_dir,
     step_dir,
 )
-from trainer_sdk.storage import Location, Storage, open_storage
+from trainer_sdk.storage import Location, Storage, TooLargeError, open_storage
 
 __all__ = [
     "FENCE",
@@ -109,8 +109,12 @@ class _ManifestCache:
     when the object's version token (``Storage.version``: ETag and size on S3; device, inode,
     size, mtime and ctime on a filesystem) is the one it was parsed from: a deleted manifest
     has no token (IncompleteCheckpointError, as without the cache), a rewritten one another
-    token. An entry is stored only when the token was the same before and after the read, and
-    this process's own deletes drop their entries at once. Storages without ``version`` are
+    token. An entry is stored only under the token of the very bytes it was parsed from:
+    ``read_with_version`` returns the bytes and their token from one request (on S3 the GET's
+    own ETag and length; on a filesystem ``fstat`` of the open file, before and after the
+    read, a token that never matches if they differ), and without it the token is taken
+    before and after the read and the entry stored only if the two agree. This process's own
+    deletes drop their entries at once. Storages without ``version`` are
     never cached. Bounded: at most :data:`_CACHED_ROOTS` roots, and a root keeps only the steps
     its last listing still showed.
     """
@@ -174,23 +178,35 @@ def read_manifest(where: Location, step: int) -> Manifest:
     Raises :class:`IncompleteCheckpointError` if it never committed (no manifest object),
     :class:`ManifestError` if the manifest is bad, :class:`UnreadableCheckpointError` if it
     cannot be read now or by this version. A manifest parsed before is served from the cache
-    when its object is unchanged (see :class:`_ManifestCache`): one ``version`` call, no read.
+    when its object is unchanged (see :class:`_ManifestCache`): one ``version`` call, no read
+    (on S3 one HEAD). A miss adds one ``read_with_version`` (one GET) where the storage has
+    it; otherwise ``size``, ``read_bytes`` and ``version`` again (on S3 two HEADs and a GET).
     """
     storage = open_storage(where)
     key = manifest_key(step)
     version = _version_of(storage)
     token: str | None = None
+    read_with_version = getattr(storage, "read_with_version", None)
     try:
         if version is not None:
             token = version(key)
             hit = _manifests.get(storage.uri, step, token)
             if hit is not None:
                 return hit
-        size = storage.size(key)
-        if size > MAX_JSON_BYTES:
-            raise ManifestError(f"manifest is {size} bytes, over the limit", path=key)
-        data = storage.read_bytes(key)
-        same = version is not None and token == version(key)
+        if version is not None and callable(read_with_version):
+            # One request: the token is that of the bytes read, whatever happened since the
+            # version() above (a GET on S3, where the fallback below costs two more HEADs).
+            try:
+                data, token = read_with_version(key, limit=MAX_JSON_BYTES)
+            except TooLargeError as e:
+                raise ManifestError(f"manifest is {e.size} bytes, over the limit", path=key) from e
+        else:
+            size = storage.size(key)
+            if size > MAX_JSON_BYTES:
+                raise ManifestError(f"manifest is {size} bytes, over the limit", path=key)
+            data = storage.read_bytes(key)
+            if version is not None and token != version(key):
+                token = None  # changed during the read: not cached
     except FileNotFoundError as e:
         _manifests.drop(storage.uri, step)
         raise IncompleteCheckpointError(
@@ -200,7 +216,7 @@ def read_manifest(where: Location, step: int) -> Manifest:
     except (OSError, StorageError) as e:
         raise unreadable(e, step, f"reading {key}") from e
     manifest = Manifest.parse(data, step=step, path=key)
-    if same and token is not None:
+    if token is not None:
         _manifests.put(storage.uri, step, token, manifest)
     return manifest
 

@@ -1,6 +1,8 @@
 """A real checkpoint storage behind a wrapper that passes every call through: the base of the
 test storages that change one thing (``throttled.py``: slow writes; ``counting.py``: counted
-reads). It has no ``version``, so the SDK's manifest cache never serves a wrapped storage."""
+reads). It has no ``version``, so the SDK's manifest cache never serves a wrapped storage, and
+no ``read_with_version`` (used only with ``version``): a wrapper that adds ``version`` gets the
+cache's fallback path (``tests/sdk/test_manifest_cache.py``)."""
 
 from __future__ import annotations
 

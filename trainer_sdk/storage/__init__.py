@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import TypeAlias
 
-from trainer_sdk.storage.base import Storage, Writer
+from trainer_sdk.storage.base import Storage, TooLargeError, Writer
 
-__all__ = ["Location", "Storage", "Writer", "open_storage"]
+__all__ = ["Location", "Storage", "TooLargeError", "Writer", "open_storage"]
 
 Location: TypeAlias = "str | os.PathLike[str] | Storage"
 """Where a checkpoint root is: a path (``str`` or ``pathlib.Path``), a ``file://`` or

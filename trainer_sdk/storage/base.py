@@ -19,7 +19,12 @@ Who calls what, in which order (see ``trainer_sdk.api``):
 Optional: ``version(path) -> str``, a token that changes whenever the object at ``path`` is
 replaced (raises ``FileNotFoundError`` if absent). Both built-in backends have it; with it,
 the parsed manifests of committed steps are cached per root (``_catalog.read_manifest``), so
-that a commit does not read and parse every kept step's manifest again.
+that a commit does not read and parse every kept step's manifest again. Also optional, and
+only used with ``version``: ``read_with_version(path, *, limit) -> tuple[bytes, str]``, the
+object's bytes and the ``version`` token *of those bytes*, in one request (one GET on S3),
+raising :class:`TooLargeError` without reading the object if it is over ``limit`` bytes. A
+manifest read that misses the cache then costs one HEAD and one GET on S3, not three HEADs
+and a GET; without it the cache reads ``size``, ``read_bytes`` and ``version`` again.
 
 Paths are ``str`` keys relative to the storage root, with ``/`` separators, never absolute and
 never containing ``..``; ``trainer_sdk.layout`` validates them before they get here.
@@ -29,7 +34,17 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Storage", "Writer"]
+__all__ = ["Storage", "TooLargeError", "Writer"]
+
+
+class TooLargeError(ValueError):
+    """``read_with_version`` refused an object over its ``limit``; none of its bytes were read."""
+
+    def __init__(self, path: str, *, size: int, limit: int) -> None:
+        super().__init__(f"{path} is {size} bytes, over the limit of {limit}")
+        self.path = path
+        self.size = size
+        self.limit = limit
 
 
 @runtime_checkable

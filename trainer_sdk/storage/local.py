@@ -38,6 +38,7 @@ from typing import Final, cast
 from urllib.parse import unquote, urlparse
 
 from trainer_sdk.errors import ManifestError, StorageError
+from trainer_sdk.storage.base import TooLargeError
 
 __all__ = ["LocalStorage", "LocalWriter"]
 
@@ -345,10 +346,32 @@ class LocalStorage:
         """A token that changes when the object at ``path`` is replaced or written (device,
         inode, size, modification and change times; optional in the protocol, see
         ``_catalog.read_manifest``). Raises ``FileNotFoundError`` if absent."""
-        st = os.lstat(self._path(path))
+        return self._version_token(os.lstat(self._path(path)), path)
+
+    @staticmethod
+    def _version_token(st: os.stat_result, path: str) -> str:
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError("is not a regular file", path=path)
         return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def read_with_version(self, path: str, *, limit: int) -> tuple[bytes, str]:
+        """The file's bytes and its :meth:`version` token, from ``fstat`` of the open file
+        before and after the read. If the two differ (written while read), the token is one
+        that :meth:`version` never returns, so a cache keyed on it never serves those bytes.
+        Raises :class:`TooLargeError` over ``limit`` bytes (nothing read)."""
+        fd = self._open_read(path)
+        try:
+            before = os.fstat(fd)
+            token = self._version_token(before, path)
+            if before.st_size > limit:
+                raise TooLargeError(path, size=before.st_size, limit=limit)
+            out = bytearray(before.st_size)
+            self._pread_into(fd, 0, memoryview(out), path)
+            if self._version_token(os.fstat(fd), path) != token:
+                token = f"changed while read:{token}"
+            return bytes(out), token
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
         try:

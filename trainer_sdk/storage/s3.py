@@ -43,6 +43,7 @@ import botocore.session
 from trainer_sdk.errors import StorageError
 from trainer_sdk.storage import _s3_retry as _retry
 from trainer_sdk.storage import _save_deadline
+from trainer_sdk.storage.base import TooLargeError
 
 __all__ = ["S3Config", "S3Storage"]
 
@@ -469,21 +470,40 @@ class S3Storage:
                 errno.EEXIST, "another writer already created it", self._uri_of(key)
             )
 
-    def read_versioned(self, path: str) -> tuple[bytes, str]:
+    def _get_whole(self, path: str, limit: int | None) -> tuple[bytes, str, int]:
+        """One GetObject of the whole object: (bytes, ETag, size). Over ``limit`` bytes, the
+        body is closed unread and :class:`TooLargeError` raised (never retried)."""
         key = self._key(path)
 
-        def get() -> tuple[bytes, str]:
+        def get() -> tuple[bytes, str, int]:
             resp = self._client.get_object(Bucket=self.bucket, Key=key)
             body = resp["Body"]
+            size = int(resp["ContentLength"])
             try:
+                if limit is not None and size > limit:
+                    return b"", "", size
                 data = bytes(body.read())
             finally:
                 body.close()
-            if len(data) != int(resp["ContentLength"]):
-                raise _retry.ShortReadError(f"{len(data)} of {resp['ContentLength']} bytes")
-            return data, str(resp["ETag"])
+            if len(data) != size:
+                raise _retry.ShortReadError(f"{len(data)} of {size} bytes")
+            return data, str(resp["ETag"]), size
 
-        return self._call("read", key, get)
+        data, etag, size = self._call("read", key, get)
+        if limit is not None and size > limit:
+            raise TooLargeError(self._uri_of(key), size=size, limit=limit)
+        return data, etag, size
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        data, etag, _ = self._get_whole(path, None)
+        return data, etag
+
+    def read_with_version(self, path: str, *, limit: int) -> tuple[bytes, str]:
+        """The object's bytes and its :meth:`version` token, from one GetObject (its ETag and
+        ContentLength are the ones a HEAD gives). Raises :class:`TooLargeError` over ``limit``
+        bytes, ``FileNotFoundError`` if absent."""
+        data, etag, size = self._get_whole(path, limit)
+        return data, f"{etag}:{size}"
 
     def replace_if(self, path: str, data: bytes, *, token: str | None) -> bool:
         key = self._key(path)
