@@ -5,7 +5,7 @@
 
 Sources -> outputs:
 
-* ``baton_operator.crd``  -> ``deploy/crd.yaml``, ``charts/baton/crds/*.yaml``
+* ``baton_operator.pure.crd``  -> ``deploy/crd.yaml``, ``charts/baton/crds/*.yaml``
 * ``baton_operator.rbac`` -> ``deploy/rbac.yaml``, ``charts/baton/files/rbac-rules.yaml``
   (the chart's RBAC template renders those rules under the release's names: one ClusterRole,
   or with ``operator.watchNamespaces`` a Role per namespace and a Node-only ClusterRole)
@@ -27,7 +27,8 @@ from typing import Any, Final
 
 import _dashboard
 import yaml
-from baton_operator import crd, rbac
+from baton_operator import rbac
+from baton_operator.pure import crd
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 CHART: Final = ROOT / "charts" / "baton"
@@ -51,7 +52,7 @@ def _yaml_docs(docs: Iterable[dict[str, Any]], source: str) -> str:
 def outputs() -> dict[Path, str]:
     """Every generated file and its expected content."""
     the_crd = crd.crd_manifest()
-    crd_src = "baton_operator.crd"
+    crd_src = "baton_operator.pure.crd"
     rbac_src = "baton_operator.rbac"
     dashboard = json.dumps(_dashboard.dashboard(), indent=2) + "\n"
     rules = (ROOT / "deploy" / "prometheus" / "baton-rules.yaml").read_text()

@@ -7,7 +7,7 @@ channel's file I/O (``trainer_sdk.control``) is kept apart from these values, so
 protocol finds the vocabulary in one short module.
 
 This module must stay torch-free and import nothing of the SDK: the sidecar imports it. The
-operator, which may not import the SDK, mirrors these values in ``baton_operator.vocabulary``;
+operator, which may not import the SDK, mirrors these values in ``baton_operator.pure.vocabulary``;
 ``tests/operator/test_wire_vocabulary.py`` fails when either side has a value the other lacks.
 """
 

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from . import crd, rbac
-from .notices import Graces
-from .podpolicy import DEFAULT_SERVICE_ACCOUNTS, PodPolicy
-from .settings import LEASE_NAME, OperatorConfig
+from . import rbac
+from .pure import crd
+from .pure.notices import Graces
+from .pure.podpolicy import DEFAULT_SERVICE_ACCOUNTS, PodPolicy
+from .pure.settings import LEASE_NAME, OperatorConfig
 
 if TYPE_CHECKING:
-    from .leader import LeaderElector
+    from .client.leader import LeaderElector
 
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -197,7 +198,7 @@ async def _operate(config: OperatorConfig) -> None:
 
     import kopf
 
-    from . import faults, kube, leader, metrics
+    from .client import faults, kube, leader, metrics
 
     registry, health = metrics.Metrics(), metrics.Health()
     runner = await metrics.serve(
@@ -263,7 +264,7 @@ def _keep_lease(elector: LeaderElector) -> tuple[threading.Event, threading.Thre
     """
     import asyncio
 
-    from . import leader
+    from .client import leader
 
     stop = threading.Event()
 

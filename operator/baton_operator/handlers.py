@@ -25,15 +25,16 @@ from typing import Any, Final, cast
 
 import kopf
 
-from . import faults, notices, tokens, watches
-from . import kube as kube_mod
-from . import metrics as metrics_mod
-from . import nodes as nodes_mod
-from .controller import ClusterView, JobMemory, Reconciler
-from .errors import BatonOperatorError, KubeError, KubeRejectedError
-from .settings import KEY_SECRET_NAME, OperatorConfig
-from .sidecars import SidecarClient
-from .watchcache import WatchCache
+from .client import faults, tokens
+from .client import kube as kube_mod
+from .client import metrics as metrics_mod
+from .client.sidecars import SidecarClient
+from .pure import nodes as nodes_mod
+from .pure import notices, watches
+from .pure.errors import BatonOperatorError, KubeError, KubeRejectedError
+from .pure.settings import KEY_SECRET_NAME, OperatorConfig
+from .pure.watchcache import WatchCache
+from .reconcile.controller import ClusterView, JobMemory, Reconciler
 
 _log = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from . import crd, kube, leader, watches
-from .kube import Permission
-from .settings import KEY_SECRET_NAME, LEASE_NAME
+from .client import kube, leader
+from .client.kube import Permission
+from .pure import crd, watches
+from .pure.settings import KEY_SECRET_NAME, LEASE_NAME
 
 __all__ = [
     "CLUSTER_ROLE_NAME",

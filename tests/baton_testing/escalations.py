@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from baton_operator import podpolicy
+from baton_operator.pure import podpolicy
 
 __all__ = [
     "ALLOWED",

@@ -27,7 +27,7 @@ import kubernetes.client
 import urllib3
 import yaml
 from baton_operator import __main__ as operator_main
-from baton_operator import crd
+from baton_operator.pure import crd
 from baton_testing.cluster import LocalCluster, Provider
 from baton_testing.jobs import trainer_command, trainer_env, training_job
 from baton_testing.ports import free_port

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
-from baton_operator import crd, rbac
+from baton_operator import rbac
+from baton_operator.pure import crd
 from baton_testing.podsecurity import pod_specs, restricted_violations
 
 ROOT = Path(__file__).resolve().parents[2]

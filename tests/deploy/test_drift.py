@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from baton_operator import crd, rbac
+from baton_operator import rbac
+from baton_operator.pure import crd
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,8 +22,8 @@ def test_generated_files_are_up_to_date() -> None:
         check=False,
     )
     assert result.returncode == 0, (
-        f"{result.stderr}\nThe committed deployment files differ from baton_operator.crd/.rbac, "
-        "deploy/_dashboard.py or deploy/prometheus/baton-rules.yaml: "
+        f"{result.stderr}\nThe committed deployment files differ from baton_operator.pure.crd, "
+        "baton_operator.rbac, deploy/_dashboard.py or deploy/prometheus/baton-rules.yaml: "
         "run .venv/bin/python deploy/generate.py and commit the result."
     )
 

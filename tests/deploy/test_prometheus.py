@@ -3,8 +3,8 @@
 Two real ``baton-sidecar`` processes serve /metrics; a fake trainer (this test) writes the SDK's
 status file into their control directories with :mod:`trainer_sdk.control`, so the sidecars
 observe committed saves exactly as they would from the SDK. The operator's real metrics server
-(``baton_operator.metrics.serve``) runs in a thread, fed through its ``Metrics`` object as the
-reconciler feeds it. Debian's Prometheus scrapes all three with the label conventions of
+(``baton_operator.client.metrics.serve``) runs in a thread, fed through its ``Metrics`` object as
+the reconciler feeds it. Debian's Prometheus scrapes all three with the label conventions of
 docs/observability.md, loads the alert rules, and then every PromQL expression of the dashboard
 and of the rules is executed through the HTTP API.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import requests
-from baton_operator.metrics import Metrics, serve
+from baton_operator.client.metrics import Metrics, serve
 from baton_testing import prometheus
 from baton_testing.ports import free_port
 from baton_testing.prometheus import (
@@ -53,7 +53,7 @@ def rule_queries() -> list[tuple[str, str]]:
 
 
 class _OperatorMetricsServer:
-    """``baton_operator.metrics.serve`` on its own event loop in a thread."""
+    """``baton_operator.client.metrics.serve`` on its own event loop in a thread."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()

@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from baton_operator import interval, manifests
-from baton_operator.interval import (
+from baton_operator.pure import interval, manifests
+from baton_operator.pure.interval import (
     DEFAULT_SAVE_SECONDS,
     MAX_SECONDS,
     MIN_SECONDS,
@@ -26,9 +26,9 @@ from baton_operator.interval import (
     opened,
     young_daly,
 )
-from baton_operator.model import JobSpec
-from baton_operator.nodes import POOL_LABELS, ClusterView, node_pool
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.nodes import POOL_LABELS, ClusterView, node_pool
+from baton_operator.pure.settings import OperatorConfig
 
 HOUR = 3600.0
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import yaml
-from baton_operator import manifests
-from baton_operator.model import JobSpec
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure import manifests
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.settings import OperatorConfig
 from baton_testing.cluster import LocalCluster
 from baton_testing.jobs import training_job
 from baton_testing.operator_harness import NAMESPACE, OperatorInstall

@@ -16,13 +16,14 @@ from typing import Any, cast
 from urllib.error import HTTPError
 
 import pytest
-from baton_operator import faults, handlers, leader, metrics
-from baton_operator import kube as kube_mod
-from baton_operator.errors import KubeError
-from baton_operator.kube import Kube
-from baton_operator.settings import OperatorConfig
-from baton_operator.watchcache import WatchCache
-from baton_operator.writing import StatusWriter
+from baton_operator import handlers
+from baton_operator.client import faults, leader, metrics
+from baton_operator.client import kube as kube_mod
+from baton_operator.client.kube import Kube
+from baton_operator.pure.errors import KubeError
+from baton_operator.pure.settings import OperatorConfig
+from baton_operator.pure.watchcache import WatchCache
+from baton_operator.reconcile.writing import StatusWriter
 from baton_testing.ports import free_port
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException

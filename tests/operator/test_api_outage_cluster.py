@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from baton_operator import manifests
+from baton_operator.pure import manifests
 from baton_testing.operator_harness import (
     NAMESPACE,
     Baton,

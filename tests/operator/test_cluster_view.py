@@ -10,14 +10,15 @@ import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator import handlers, nodes
-from baton_operator.controller import ClusterView, JobMemory
-from baton_operator.kube import Kube
-from baton_operator.metrics import Health, Metrics
-from baton_operator.reports import answers
-from baton_operator.settings import OperatorConfig
-from baton_operator.sidecars import SidecarStatus
-from baton_operator.watchcache import WatchCache
+from baton_operator import handlers
+from baton_operator.client.kube import Kube
+from baton_operator.client.metrics import Health, Metrics
+from baton_operator.client.sidecars import SidecarStatus
+from baton_operator.pure import nodes
+from baton_operator.pure.reports import answers
+from baton_operator.pure.settings import OperatorConfig
+from baton_operator.pure.watchcache import WatchCache
+from baton_operator.reconcile.controller import ClusterView, JobMemory
 from kubernetes import client as k8s_client
 from prometheus_client import CollectorRegistry
 

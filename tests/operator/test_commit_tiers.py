@@ -11,12 +11,12 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator import lifecycle, reports
-from baton_operator.lifecycle import VerdictKind
-from baton_operator.metrics import Metrics
-from baton_operator.model import LastCheckpoint
-from baton_operator.reports import SidecarStatus
-from baton_operator.vocabulary import Tier
+from baton_operator.client.metrics import Metrics
+from baton_operator.pure import lifecycle, reports
+from baton_operator.pure.lifecycle import VerdictKind
+from baton_operator.pure.model import LastCheckpoint
+from baton_operator.pure.reports import SidecarStatus
+from baton_operator.pure.vocabulary import Tier
 from prometheus_client.parser import text_string_to_metric_families
 
 

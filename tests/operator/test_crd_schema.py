@@ -12,7 +12,7 @@ from typing import Any
 
 import celpy
 import pytest
-from baton_operator import crd
+from baton_operator.pure import crd
 from celpy.adapter import json_to_cel
 
 from trainer_sdk._config import CheckpointerConfig

@@ -11,14 +11,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from baton_operator import lifecycle, manifests
-from baton_operator.jobstatus import JobStatus, StatusPatch
-from baton_operator.lifecycle import Phase
-from baton_operator.model import LastCheckpoint
-from baton_operator.nodes import ClusterView
-from baton_operator.pods import PodView, delete_grace, notice_for, noticed_nodes
-from baton_operator.reports import SidecarStatus, fallback_fields, fallback_step
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure import lifecycle, manifests
+from baton_operator.pure.jobstatus import JobStatus, StatusPatch
+from baton_operator.pure.lifecycle import Phase
+from baton_operator.pure.model import LastCheckpoint
+from baton_operator.pure.nodes import ClusterView
+from baton_operator.pure.pods import PodView, delete_grace, notice_for, noticed_nodes
+from baton_operator.pure.reports import SidecarStatus, fallback_fields, fallback_step
+from baton_operator.pure.settings import OperatorConfig
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 CONFIG = OperatorConfig()

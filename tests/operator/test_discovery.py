@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from baton_operator.errors import KubeError
-from baton_operator.kube import Kube
+from baton_operator.client.kube import Kube
+from baton_operator.pure.errors import KubeError
 from baton_testing.ports import free_port
 from kubernetes import client as k8s_client
 

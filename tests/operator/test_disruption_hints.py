@@ -10,9 +10,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator import manifests
-from baton_operator.crd import crd_manifest
-from baton_operator.disruption import (
+from baton_operator.pure import manifests
+from baton_operator.pure.crd import crd_manifest
+from baton_operator.pure.disruption import (
     DELETION_COST,
     DELETION_COST_SECONDS,
     HINTS,
@@ -21,9 +21,9 @@ from baton_operator.disruption import (
     hint_patches,
     work_at_risk,
 )
-from baton_operator.lifecycle import Phase
-from baton_operator.model import JobSpec
-from baton_operator.pods import PodView
+from baton_operator.pure.lifecycle import Phase
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.pods import PodView
 
 
 def _pod(rank: int, *, attempt: int = 2, phase: str = "Running", deleting: bool = False,

@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from baton_operator import economics
-from baton_operator.crd import crd_manifest
-from baton_operator.economics import Cause, Progress
-from baton_operator.reports import SidecarStatus
+from baton_operator.pure import economics
+from baton_operator.pure.crd import crd_manifest
+from baton_operator.pure.economics import Cause, Progress
+from baton_operator.pure.reports import SidecarStatus
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -15,9 +15,9 @@ import asyncio
 import json
 
 import pytest
-from baton_operator import faults
-from baton_operator.errors import KubeConflictError, KubeRejectedError
-from baton_operator.kube import Kube, load_client
+from baton_operator.client import faults
+from baton_operator.client.kube import Kube, load_client
+from baton_operator.pure.errors import KubeConflictError, KubeRejectedError
 from baton_testing.jobs import training_job
 from baton_testing.operator_harness import NAMESPACE, OperatorInstall, unique
 

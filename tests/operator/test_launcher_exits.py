@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton_operator import lifecycle
-from baton_operator.controller import JobMemory
-from baton_operator.lifecycle import Outcome, RankView
-from baton_operator.sidecars import SidecarStatus
+from baton_operator.client.sidecars import SidecarStatus
+from baton_operator.pure import lifecycle
+from baton_operator.pure.lifecycle import Outcome, RankView
+from baton_operator.reconcile.controller import JobMemory
 
 
 def view(rank: int, **kw: Any) -> RankView:

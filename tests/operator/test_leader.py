@@ -6,8 +6,8 @@ import asyncio
 
 import kubernetes
 import pytest
-from baton_operator.errors import KubeError
-from baton_operator.leader import LeaseClient
+from baton_operator.client.leader import LeaseClient
+from baton_operator.pure.errors import KubeError
 from baton_testing.ports import free_port
 
 

@@ -16,9 +16,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from baton_operator import faults
-from baton_operator.leader import LeaderElector, LeadershipLostError, LeaseClient, LeaseTimings
-from baton_operator.metrics import Health
+from baton_operator.client import faults
+from baton_operator.client.leader import (
+    LeaderElector,
+    LeadershipLostError,
+    LeaseClient,
+    LeaseTimings,
+)
+from baton_operator.client.metrics import Health
 from baton_testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster

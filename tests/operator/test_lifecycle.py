@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from baton_operator import lifecycle
-from baton_operator.lifecycle import Outcome, Phase, RankView, VerdictKind
-from baton_operator.model import JobSpec
-from baton_operator.settings import EMERGENCY_EXIT_CODE
-from baton_operator.sidecars import SidecarStatus
+from baton_operator.client.sidecars import SidecarStatus
+from baton_operator.pure import lifecycle
+from baton_operator.pure.lifecycle import Outcome, Phase, RankView, VerdictKind
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.settings import EMERGENCY_EXIT_CODE
 
 NOW = datetime(2026, 11, 30, 4, 0, tzinfo=UTC)
 

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from baton_operator import manifests
-from baton_operator.model import JobSpec, parse_bytes
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure import manifests
+from baton_operator.pure.model import JobSpec, parse_bytes
+from baton_operator.pure.settings import OperatorConfig
 
 from .test_crd_schema import _violations, valid_job
 

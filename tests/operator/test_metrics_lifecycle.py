@@ -7,7 +7,7 @@ was invisible to ``increase()`` because its counter series appeared at 1, not 0.
 
 from __future__ import annotations
 
-from baton_operator.metrics import Metrics
+from baton_operator.client.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 

@@ -13,9 +13,9 @@ import re
 from typing import Any
 
 import pytest
-from baton_operator import manifests
-from baton_operator.model import JobSpec
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure import manifests
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.settings import OperatorConfig
 
 CONFIG = OperatorConfig(sidecar_image="baton:test", sidecar_command=("baton-sidecar",))
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

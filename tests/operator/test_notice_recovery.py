@@ -7,9 +7,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from baton_operator import lifecycle, reports
-from baton_operator.lifecycle import Phase
-from baton_operator.reports import SidecarStatus
+from baton_operator.pure import lifecycle, reports
+from baton_operator.pure.lifecycle import Phase
+from baton_operator.pure.reports import SidecarStatus
 
 from .test_reconciler import Harness, _memory_tier, _restarted_in_place, _restored
 from .test_recovery import _views

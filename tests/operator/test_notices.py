@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from baton_operator.notices import Graces, earliest, node_notices, parse_time, pod_notice
+from baton_operator.pure.notices import Graces, earliest, node_notices, parse_time, pod_notice
 
 NOW = datetime(2026, 11, 30, 4, 0, 0, tzinfo=UTC)
 G = Graces()

@@ -13,8 +13,8 @@ from typing import Any
 
 import celpy
 import pytest
-from baton_operator import crd, podpolicy
-from baton_operator.podpolicy import PodPolicy
+from baton_operator.pure import crd, podpolicy
+from baton_operator.pure.podpolicy import PodPolicy
 from baton_testing.escalations import (
     ALLOWED,
     CONTAINER_KINDS,

@@ -8,8 +8,9 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from baton_operator import kube, rbac
-from baton_operator.kube import Kube
+from baton_operator import rbac
+from baton_operator.client import kube
+from baton_operator.client.kube import Kube
 
 # What the operator may do where it runs jobs (a ClusterRole, or a Role per namespace).
 WORKLOAD = [

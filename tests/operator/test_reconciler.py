@@ -19,15 +19,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
-from baton_operator import manifests
-from baton_operator.controller import ClusterView, JobMemory, Reconciler
-from baton_operator.disruption import DELETION_COST
-from baton_operator.errors import KubeConflictError, KubeError, SidecarUnreachableError
-from baton_operator.metrics import Metrics
-from baton_operator.model import JobSpec
-from baton_operator.pods import PodView
-from baton_operator.reports import SidecarStatus
-from baton_operator.settings import OperatorConfig
+from baton_operator.client.metrics import Metrics
+from baton_operator.pure import manifests
+from baton_operator.pure.disruption import DELETION_COST
+from baton_operator.pure.errors import KubeConflictError, KubeError, SidecarUnreachableError
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.pods import PodView
+from baton_operator.pure.reports import SidecarStatus
+from baton_operator.pure.settings import OperatorConfig
+from baton_operator.reconcile.controller import ClusterView, JobMemory, Reconciler
 from prometheus_client import CollectorRegistry
 
 NS = "team"
@@ -666,7 +666,7 @@ def test_a_write_that_keeps_losing_gives_up_to_the_daemons_backoff() -> None:
 def test_the_client_layer_says_which_errors_are_permanent(
     status: int, message: str, kind: str
 ) -> None:
-    from baton_operator.errors import PermanentError, TemporaryError
+    from baton_operator.pure.errors import PermanentError, TemporaryError
 
     error = KubeError.from_answer(message, status=status)
     assert error.permanent is (kind == "permanent")
@@ -811,7 +811,7 @@ def test_a_sidecar_termination_message_that_is_not_a_report_is_ignored() -> None
 
 
 def test_ranks_that_disagree_or_have_saved_since_claim_no_loaded_step() -> None:
-    from baton_operator.reports import loaded_step
+    from baton_operator.pure.reports import loaded_step
 
     assert loaded_step([SidecarStatus(state="idle", last_committed_step=24)] * 2) == 24
     assert loaded_step([SidecarStatus(state="idle")]) is None, "not restored yet, or scratch"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton_operator import lifecycle, manifests
-from baton_operator.lifecycle import RankView
-from baton_operator.model import JobSpec
-from baton_operator.pods import PodView, restarted
-from baton_operator.settings import EMERGENCY_EXIT_CODE, OperatorConfig
+from baton_operator.pure import lifecycle, manifests
+from baton_operator.pure.lifecycle import RankView
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.pods import PodView, restarted
+from baton_operator.pure.settings import EMERGENCY_EXIT_CODE, OperatorConfig
 
 
 def _views(**changes: dict[str, Any]) -> list[RankView]:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from baton_operator import manifests
-from baton_operator.nodes import ZONE_LABEL, node_pool
+from baton_operator.pure import manifests
+from baton_operator.pure.nodes import ZONE_LABEL, node_pool
 from baton_testing import trainer
 from baton_testing.operator_harness import NAMESPACE, Baton, unique
 from kubernetes import client

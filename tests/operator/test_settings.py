@@ -16,7 +16,7 @@ import pytest
 import yaml
 from baton_operator import __main__ as cli
 from baton_operator import handlers
-from baton_operator.settings import OperatorConfig
+from baton_operator.pure.settings import OperatorConfig
 from baton_testing.ports import free_port
 
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from baton_operator.errors import SidecarUnreachableError
-from baton_operator.sidecars import SidecarClient
-from baton_operator.vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
+from baton_operator.client.sidecars import SidecarClient
+from baton_operator.pure.errors import SidecarUnreachableError
+from baton_operator.pure.vocabulary import EMERGENCY_TRIGGERS, SaveState, Trigger
 from baton_testing.ports import free_port
 from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
 

@@ -10,8 +10,8 @@ import copy
 from datetime import timedelta
 from typing import Any
 
-from baton_operator import manifests, watchcache
-from baton_operator.watchcache import WatchCache
+from baton_operator.pure import manifests, watchcache
+from baton_operator.pure.watchcache import WatchCache
 
 from .test_reconciler import JOB, NS, REPLICAS, FakeKube, Harness
 

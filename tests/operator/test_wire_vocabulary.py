@@ -1,7 +1,7 @@
 """The operator's mirror of the wire vocabulary is the SDK's, value for value.
 
 The operator may not import the SDK (import-linter contract: it talks HTTP and its image has
-no torch), so ``baton_operator.vocabulary`` repeats the values of ``trainer_sdk.wire`` that it
+no torch), so ``baton_operator.pure.vocabulary`` repeats the values of ``trainer_sdk.wire`` that it
 compares. A value added on one side only (a new tier, state or trigger) fails here, before a
 job meets a word the other side does not know. ``test_sidecar_client.py`` checks the same
 values through the real sidecar.
@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 import pytest
-from baton_operator import crd, lifecycle, notices, settings, vocabulary
+from baton_operator.pure import crd, lifecycle, notices, settings, vocabulary
 
 from trainer_sdk import wire
 

@@ -3,7 +3,7 @@
 The reconciler's rooms (``creating``, ``replicating``, ``actions``, ``progress``,
 ``suspending``, ``noticing``, ``recovering`` and the dispatcher in ``controller``) all talk to
 the same API client, the same sidecar client, the same Node view, metrics, configuration and
-status writer. :class:`Reconciler <baton_operator.controller.Reconciler>` builds one
+status writer. :class:`Reconciler <baton_operator.reconcile.controller.Reconciler>` builds one
 :class:`Services` and passes it to each room; a room subclasses :class:`Room`, which names its
 members once, so a new dependency is one field here (and one line in :class:`Room`), not one
 more argument in eight constructors. What only one room needs (the creator's token function,
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kube import Kube
-from .metrics import Metrics
-from .nodes import ClusterView
-from .settings import OperatorConfig
-from .sidecars import SidecarClient
+from baton_operator.client.kube import Kube
+from baton_operator.client.metrics import Metrics
+from baton_operator.client.sidecars import SidecarClient
+from baton_operator.pure.nodes import ClusterView
+from baton_operator.pure.settings import OperatorConfig
+
 from .writing import StatusWriter
 
 __all__ = ["Room", "Services"]

@@ -47,34 +47,35 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from . import economics, interval, lifecycle, manifests, podpolicy
+from baton_operator.client.kube import Kube
+from baton_operator.client.metrics import Metrics
+from baton_operator.client.sidecars import SidecarClient
+from baton_operator.pure import economics, interval, lifecycle, manifests, podpolicy
+from baton_operator.pure.errors import KubeConflictError
+from baton_operator.pure.jobstatus import JobStatus, iso
+from baton_operator.pure.lifecycle import Outcome, Phase, RankView
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.nodes import ClusterView
+from baton_operator.pure.notices import parse_time
+from baton_operator.pure.pods import PodView, notice_for, rank_view
+from baton_operator.pure.settings import EMERGENCY_EXIT_CODE, OperatorConfig
+from baton_operator.pure.tick import JobMemory, Tick
+from baton_operator.pure.vocabulary import InterruptionSource, RestartKind, Trigger
+from baton_operator.pure.watchcache import WatchCache
+
 from .actions import Actions
 from .creating import Creator
-from .errors import KubeConflictError
-from .jobstatus import JobStatus, iso
-from .kube import Kube
-from .lifecycle import Outcome, Phase, RankView
-from .metrics import Metrics
-from .model import JobSpec
-from .nodes import ClusterView
-from .notices import parse_time
 from .noticing import NoticePath
-from .pods import PodView, notice_for, rank_view
 from .progress import ProgressTracker
 from .recovering import Recovery
 from .replicating import PeerWiring
 from .services import Room, Services
-from .settings import EMERGENCY_EXIT_CODE, OperatorConfig
-from .sidecars import SidecarClient
 from .suspending import Suspender
-from .tick import JobMemory, Tick
-from .vocabulary import InterruptionSource, RestartKind, Trigger
-from .watchcache import WatchCache
 from .writing import EventPoster, StatusWriter
 
 __all__ = ["ClusterView", "EventPoster", "JobMemory", "Reconciler"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.controller")
 
 _CONFLICT_RETRIES: Final = 3
 """Fresh reads a tick makes after its guarded write lost a race, before it gives up (the

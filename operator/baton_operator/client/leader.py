@@ -46,12 +46,13 @@ from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import BatonOperatorError, KubeError
+from baton_operator.pure.errors import BatonOperatorError, KubeError
+
 from .kube import Permission
 
 __all__ = ["PERMISSIONS", "LeaderElector", "LeadershipLostError", "LeaseClient", "LeaseTimings"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.leader")
 
 # No answer from the API server: a refused connection or a timeout is an OSError, or, once
 # the client's retries are spent, urllib3's MaxRetryError (not an OSError). A standby must

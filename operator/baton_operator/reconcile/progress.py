@@ -19,19 +19,20 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from . import disruption, economics, reports
+from baton_operator.pure import disruption, economics, reports
+from baton_operator.pure.errors import KubeError
+from baton_operator.pure.jobstatus import iso
+from baton_operator.pure.model import LastCheckpoint
+from baton_operator.pure.notices import parse_time
+from baton_operator.pure.tick import Tick
+from baton_operator.pure.vocabulary import Tier, Trigger
+
 from .actions import Actions
-from .errors import KubeError
-from .jobstatus import iso
-from .model import LastCheckpoint
-from .notices import parse_time
 from .services import Room, Services
-from .tick import Tick
-from .vocabulary import Tier, Trigger
 
 __all__ = ["ProgressTracker"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.progress")
 
 
 class ProgressTracker(Room):

@@ -21,23 +21,24 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from . import economics, lifecycle, reports
+from baton_operator.pure import economics, lifecycle, reports
+from baton_operator.pure.errors import SidecarUnreachableError
+from baton_operator.pure.jobstatus import NO_NOTICE_REASON, NoticeRecord, iso
+from baton_operator.pure.lifecycle import SUSPEND_SOURCE, Phase, VerdictKind
+from baton_operator.pure.model import LastCheckpoint
+from baton_operator.pure.notices import Notice
+from baton_operator.pure.pods import noticed_nodes
+from baton_operator.pure.reports import SidecarStatus
+from baton_operator.pure.tick import Tick
+from baton_operator.pure.vocabulary import InterruptionSource, RestartKind, Tier, Trigger
+
 from .actions import Actions, interruption, is_dns_name, lost_pod
-from .errors import SidecarUnreachableError
-from .jobstatus import NO_NOTICE_REASON, NoticeRecord, iso
-from .lifecycle import SUSPEND_SOURCE, Phase, VerdictKind
-from .model import LastCheckpoint
-from .notices import Notice
-from .pods import noticed_nodes
-from .reports import SidecarStatus
 from .services import Room, Services
 from .suspending import Suspender
-from .tick import Tick
-from .vocabulary import InterruptionSource, RestartKind, Tier, Trigger
 
 __all__ = ["NoticePath"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.noticing")
 
 
 def _notice_cause(notice: NoticeRecord | None, *, durable_at: datetime | None) -> economics.Cause:

@@ -14,13 +14,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from .jobstatus import StatusPatch
-from .kube import Kube, describe
-from .tick import Tick
+from baton_operator.client.kube import Kube, describe
+from baton_operator.pure.jobstatus import StatusPatch
+from baton_operator.pure.tick import Tick
 
 __all__ = ["EventPoster", "StatusWriter"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.writing")
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 """``post(job_body, type, reason, message)``: posts a Kubernetes Event about the job."""

@@ -25,8 +25,8 @@ from kubernetes import config as _k8s_config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from . import crd
-from .errors import KubeError
+from baton_operator.pure import crd
+from baton_operator.pure.errors import KubeError
 
 __all__ = ["PERMISSIONS", "Kube", "Permission", "describe", "load_client", "load_configuration"]
 

@@ -21,17 +21,18 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
-from . import interval, manifests, podpolicy
-from .errors import KubeError
-from .jobstatus import JobStatus, iso
-from .lifecycle import Phase
-from .model import JobSpec
+from baton_operator.pure import interval, manifests, podpolicy
+from baton_operator.pure.errors import KubeError
+from baton_operator.pure.jobstatus import JobStatus, iso
+from baton_operator.pure.lifecycle import Phase
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.tick import Tick
+
 from .services import Room, Services
-from .tick import Tick
 
 __all__ = ["Creator"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.creating")
 
 _CREATE_BACKOFF_CEILING: Final = 60.0
 """Seconds: the longest wait between tries of a create that failed for a temporary reason."""

@@ -18,9 +18,10 @@ import hmac
 import secrets
 from typing import Any, Final
 
-from .errors import BatonOperatorError
+from baton_operator.pure.errors import BatonOperatorError
+from baton_operator.pure.model import JobSpec
+
 from .kube import Kube
-from .model import JobSpec
 
 __all__ = [
     "KEY_FIELD",

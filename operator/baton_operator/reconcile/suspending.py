@@ -15,16 +15,17 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from . import lifecycle, reports
+from baton_operator.pure import lifecycle, reports
+from baton_operator.pure.jobstatus import NoticeRecord, iso
+from baton_operator.pure.lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
+from baton_operator.pure.model import LastCheckpoint
+from baton_operator.pure.notices import parse_time
+from baton_operator.pure.pods import PodView
+from baton_operator.pure.tick import Tick
+from baton_operator.pure.vocabulary import RestartKind, Trigger
+
 from .actions import Actions
-from .jobstatus import NoticeRecord, iso
-from .lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
-from .model import LastCheckpoint
-from .notices import parse_time
-from .pods import PodView
 from .services import Room, Services
-from .tick import Tick
-from .vocabulary import RestartKind, Trigger
 
 __all__ = ["Suspender"]
 

@@ -33,7 +33,7 @@ __all__ = [
 
 _FINISHED = ("Succeeded", "Failed")
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.pods")
 
 
 def _label_int(labels: Mapping[str, Any], key: str) -> int:

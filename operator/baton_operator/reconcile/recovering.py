@@ -20,23 +20,24 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from . import economics, lifecycle, reports
+from baton_operator.pure import economics, lifecycle, reports
+from baton_operator.pure.jobstatus import iso
+from baton_operator.pure.lifecycle import Phase, RankView
+from baton_operator.pure.notices import parse_time
+from baton_operator.pure.pods import PodView, notice_for, restarted
+from baton_operator.pure.reports import SidecarStatus
+from baton_operator.pure.settings import EMERGENCY_EXIT_CODE
+from baton_operator.pure.tick import Tick
+from baton_operator.pure.vocabulary import InterruptionSource, RestartKind, Tier
+
 from .actions import Actions, interruption, is_dns_name, lost_pod
 from .creating import Creator
-from .jobstatus import iso
-from .lifecycle import Phase, RankView
-from .notices import parse_time
 from .noticing import NoticePath
-from .pods import PodView, notice_for, restarted
-from .reports import SidecarStatus
 from .services import Room, Services
-from .settings import EMERGENCY_EXIT_CODE
-from .tick import Tick
-from .vocabulary import InterruptionSource, RestartKind, Tier
 
 __all__ = ["Recovery"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.recovering")
 
 
 class Recovery(Room):

@@ -24,8 +24,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .lifecycle import Phase
-from .vocabulary import Tier
+from baton_operator.pure.lifecycle import Phase
+from baton_operator.pure.vocabulary import Tier
 
 __all__ = ["Health", "Metrics", "serve"]
 

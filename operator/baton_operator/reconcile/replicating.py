@@ -18,15 +18,16 @@ import logging
 import time
 from typing import Final
 
-from . import manifests
-from .errors import SidecarUnreachableError
-from .pods import PodView
+from baton_operator.pure import manifests
+from baton_operator.pure.errors import SidecarUnreachableError
+from baton_operator.pure.pods import PodView
+from baton_operator.pure.tick import Tick
+
 from .services import Room, Services
-from .tick import Tick
 
 __all__ = ["PeerWiring"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.replicating")
 
 _RETRY_SECONDS: Final = 5.0
 """After a sidecar did not answer, wait this long before asking it again: a hung sidecar

@@ -22,23 +22,24 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from . import disruption, economics, interval, lifecycle, manifests
+from baton_operator.pure import disruption, economics, interval, lifecycle, manifests
+from baton_operator.pure.errors import KubeError, SidecarUnreachableError
+from baton_operator.pure.jobstatus import StatusPatch, iso
+from baton_operator.pure.lifecycle import Phase, RankView
+from baton_operator.pure.model import JobSpec
+from baton_operator.pure.nodes import UNSEEN_DELETION
+from baton_operator.pure.notices import parse_time
+from baton_operator.pure.pods import PodView, delete_grace
+from baton_operator.pure.reports import SidecarStatus
+from baton_operator.pure.tick import JobMemory, Tick
+from baton_operator.pure.vocabulary import RestartKind
+
 from .creating import Creator
-from .errors import KubeError, SidecarUnreachableError
-from .jobstatus import StatusPatch, iso
-from .lifecycle import Phase, RankView
-from .model import JobSpec
-from .nodes import UNSEEN_DELETION
-from .notices import parse_time
-from .pods import PodView, delete_grace
-from .reports import SidecarStatus
 from .services import Room, Services
-from .tick import JobMemory, Tick
-from .vocabulary import RestartKind
 
 __all__ = ["Actions", "interruption", "is_dns_name", "lost_pod"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.actions")
 
 _OVERDUE: Final = timedelta(seconds=5)
 """A graceful pod deletion this long past its ``deletionTimestamp`` has no kubelet behind it."""

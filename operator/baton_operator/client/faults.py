@@ -45,7 +45,8 @@ from typing import Any, Final, TypeVar
 
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import KubeError, KubeRejectedError
+from baton_operator.pure.errors import KubeError, KubeRejectedError
+
 from .kube import Kube
 from .metrics import Health, Metrics
 
@@ -60,7 +61,7 @@ __all__ = [
     "rejected",
 ]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("baton_operator.faults")
 _T = TypeVar("_T")
 
 _MAX_BACKOFF_SECONDS: Final = 30.0

@@ -13,9 +13,9 @@ from typing import Any, Final
 
 import aiohttp
 
-from .errors import SidecarUnreachableError
-from .lifecycle import clamp_deadline
-from .reports import SidecarStatus
+from baton_operator.pure.errors import SidecarUnreachableError
+from baton_operator.pure.lifecycle import clamp_deadline
+from baton_operator.pure.reports import SidecarStatus
 
 __all__ = ["MIN_LEAD", "SidecarClient", "SidecarStatus"]
 
