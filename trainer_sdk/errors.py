@@ -22,6 +22,7 @@ The split that matters to a caller is *what to do next*:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "BatonError",
@@ -40,6 +41,21 @@ __all__ = [
 
 class BatonError(Exception):
     """Base class of every error the SDK raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DCP hands a rank's failure to every rank pickled (its all_gather of each rank's
+        # result), and Exception's own reduction calls ``cls(*args)``, which fails with a
+        # TypeError for the subclasses' keyword-only arguments: the others would see that
+        # TypeError, not the failure (a corrupt step would not fall back). Rebuilt here
+        # without calling ``__init__``: the message and the attributes as they were.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[BatonError], args: tuple[Any, ...], attrs: dict[str, Any]) -> BatonError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(attrs)
+    return error
 
 
 class StorageError(BatonError):

@@ -31,10 +31,12 @@ from torch.distributed.fsdp import fully_shard
 from trainer_sdk.integrations.dcp import BatonNotices
 
 
-def _model(mesh: Any) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 4))  # fmt: skip
+def build_model(mesh: Any, *, seed: int = 0, hidden: int = 32) -> nn.Module:
+    """The loop's MLP, each layer and the whole fully sharded over ``mesh`` (also used by
+    ``test_dcp_memory_tier.py``, with other seeds and a wider middle layer)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                          nn.Tanh(), nn.Linear(hidden, 4))  # fmt: skip
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -42,12 +44,12 @@ def _model(mesh: Any) -> nn.Module:
     return model
 
 
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _hashes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+def hashes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, p in model.named_parameters():
         full = p.full_tensor()  # type: ignore[operator]
@@ -67,7 +69,7 @@ def main() -> None:
     every = int(os.environ.get("DCP_TEST_EVERY", "4"))
     sigterm_at = int(os.environ.get("DCP_TEST_SIGTERM_AT", "0"))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _model(mesh)
+    model = build_model(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     notices = BatonNotices()
 
@@ -83,7 +85,7 @@ def main() -> None:
     first = 1 if start is None else start + 1
     with (out / f"losses-{rank}.jsonl").open("a") as log:
         for step in range(first, steps + 1):
-            x, y = _batch(step, rank)
+            x, y = batch(step, rank)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
@@ -94,7 +96,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
             if notices.should_save(step, periodic=step % every == 0):
                 notices.save(state(), step)  # exits 75 after a notice's save
-    (out / f"final-{rank}.json").write_text(json.dumps(_hashes(model, opt)))
+    (out / f"final-{rank}.json").write_text(json.dumps(hashes(model, opt)))
     notices.close()
     dist.destroy_process_group()
 
