@@ -175,3 +175,102 @@ def test_a_dcp_loop_snapshots_promotes_and_falls_back_by_the_checkpointers_rules
         assert v["incomplete"] == [8, "durable", v["h8"]], rank
         assert v["corrupt"] == [8, "durable", v["h8"]], rank
         assert v["h8"] != v["h9"], "step 9 was trained past 8"
+
+
+# ------------------------- a notice too short for the durable tier: memory, then promoted
+
+HIDDEN = 1024
+"""The middle layer's width: about 4.4 MB of weights and AdamW state per rank, so that the
+throttled durable tier measures several seconds for a save and the memory tier well under one."""
+RATE = 1 << 20
+"""Bytes per second the durable tier takes (``ThrottledStorage``): the probe (8 MiB) measures it."""
+LEFT = 4.0
+"""Seconds left at the notice's agreement before the deadline minus the margin: more than a
+replicated snapshot takes here, less than a durable save at ``RATE`` (about 7 s, measured)."""
+
+
+def _notice_body(root: str, fast: str, control: str, sidecar: str, token: str) -> dict[str, Any]:
+    import time
+    from datetime import UTC, datetime
+
+    import requests
+    import torch.distributed as dist
+    from baton_testing.throttled import ThrottledStorage
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer_sdk.control import ControlChannel
+
+    rank = dist.get_rank()
+    base = Path(root)
+    mesh = init_device_mesh("cpu", (NPROC,))
+    model, opt = _fresh(mesh, seed=0, hidden=HIDDEN)
+    out: dict[str, Any] = {"exit": None}
+    notices = BatonNotices(
+        ThrottledStorage(str(base / "ck"), rate=RATE), fast_dir=fast, fast_every_steps=1,
+        deadline_margin=1.0, timeout=120,
+    )  # fmt: skip
+    try:
+        out["first"] = _resume(notices, model, opt)  # nothing yet; probes the durable tier
+        for step in range(1, 20):
+            _train(model, opt, step, rank)
+            if step == 4 and rank == 0:  # the sidecar's notice reaches local rank 0 alone
+                deadline = datetime.fromtimestamp(time.time() + LEFT + 1.0, tz=UTC)
+                r = requests.post(
+                    f"{sidecar}/v1/checkpoint", json={"deadline": deadline.isoformat(),
+                                                      "reason": "spot"},
+                    headers={"Authorization": f"Bearer {token}"}, timeout=10,
+                )  # fmt: skip
+                assert r.status_code in (200, 202), r.text
+            out["step"] = step
+            if notices.should_save(step):
+                out["h_notice"] = hashes(model, opt)
+                notices.save(_state(model, opt), step)  # exits once the promotion ended
+            if notices.snapshot_due(step):
+                notices.snapshot(_state(model, opt), step)
+                notices.wait()  # each snapshot replicated before the next step: measured
+    except SystemExit as e:
+        out["exit"] = e.code
+    status = ControlChannel(control).read_local_status(rank)
+    assert status is not None
+    out["status"] = [status.state.value, status.step, status.tier, status.trigger,
+                     status.last_committed_step]  # fmt: skip
+    out["durable"] = trainer_sdk.list_steps(str(base / "ck"))
+    dist.barrier()
+    # The relaunch: the newest step of either tier is the notice's, in memory and durable.
+    m, o = _fresh(mesh, seed=7, hidden=HIDDEN)
+    _train(m, o, 0, rank)
+    with BatonNotices(str(base / "ck"), fast_dir=fast, timeout=120) as again:
+        out["resumed"] = [_resume(again, m, o), again.restored.tier]
+    out["h_resumed"] = hashes(m, o)
+    return out
+
+
+def test_a_notice_too_short_for_the_durable_tier_commits_to_memory_and_resumes_bitwise(
+    tmp_path: Path,
+) -> None:
+    from baton_testing.sidecar_process import TOKEN, pod_dir, replicating_sidecar, start_ring
+
+    pods = [replicating_sidecar(tmp_path, k) for k in range(3)]  # the trainer's pod, 2 peers
+    start_ring(pods, [0, 1, 2])
+    try:
+        results = run_ranks(
+            _notice_body, NPROC, timeout=540,
+            args=(str(tmp_path), str(pod_dir(tmp_path, 0) / "fast"),
+                  str(pods[0].control_dir), pods[0].url, TOKEN),
+            env={"BATON_CONTROL_DIR": str(pods[0].control_dir)},
+        )  # fmt: skip
+    finally:
+        for p in pods:
+            p.stop()
+    steps = {v["step"] for v in results}
+    assert len(steps) == 1, f"every rank stopped at one agreed step: {steps}"
+    (step,) = steps
+    for rank, v in enumerate(results):
+        assert v["first"] is None
+        # 76: the operator keeps the other pods and restarts their trainers in place
+        assert v["exit"] == 76, (rank, v)
+        # committed to memory, then promoted: the status says so once the copy ended
+        assert v["status"] == ["committed", step, "memory+promoted", "notice", step], rank
+        assert v["durable"] == [step], rank
+        assert v["resumed"] == [step, "memory"], rank
+        assert v["h_resumed"] == v["h_notice"], rank

@@ -52,9 +52,28 @@ Every rank hears what any rank heard (one ``all_reduce`` of 8 integers per step 
 of its own), so all save the same step; the status goes to the sidecar as the Checkpointer's
 does (``requested``, ``saving``, ``committed``, the step, the trigger), and after a notice save
 the process exits with 75 (``EX_TEMPFAIL``: "checkpointed on notice", the operator's contract).
-What it does not do that the ``Checkpointer`` does: estimate whether the save fits before the
-deadline (it always tries, and storage retries stop at the deadline minus the margin), the
-memory tier, and async saves (``dcp.async_save`` through a ``BatonWriter`` works, outside it).
+What it does not do that the ``Checkpointer`` does: skip a save that cannot fit before the
+deadline (it always tries, and storage retries stop at the deadline minus the margin), and
+async saves (``dcp.async_save`` through a ``BatonWriter`` works, outside it).
+
+**The memory tier.** ``BatonNotices(fast_dir=..., fast_every_steps=N)`` (or
+``$BATON_FAST_DIR``/``$BATON_FAST_EVERY_STEPS``, as the operator sets them for a
+``Checkpointer``) gives a DCP loop the ``Checkpointer``'s memory tier, from the same parts
+(``docs/checkpointer.md``, "The memory tier")::
+
+    if notices.snapshot_due(step):                # every rank, after the durable save
+        notices.snapshot(state, step)             # a copy; written and replicated behind
+
+A snapshot is the loop's state dict flattened by Baton (its keys are DCP's names), written,
+committed per pod, replicated to a peer by the sidecar and promoted by the ``MemoryTier``, and
+read back with a ``BatonReader``. ``resume`` is the ``Checkpointer``'s restore with each
+candidate loaded by ``dcp.load``: the newest step every rank can load of either tier (the
+snapshot first at the same step), a snapshot cut short or corrupt passed over for the next
+candidate, a restored snapshot that is not durable promoted in the background, and
+``BATON_RESUME_STEP`` checked. A notice whose durable save is estimated not to end before its
+deadline while a replicated snapshot would commits to the memory tier (the ``Checkpointer``'s
+``choose_tier``, on measured saves and snapshots), is promoted, and exits 76 once the promotion
+ended (``EXIT_RESTART_IN_PLACE``).
 """
 
 from __future__ import annotations

@@ -169,6 +169,11 @@ class BatonNotices:
             )
         self._engine.snapshot(step, self._prepare(state))
 
+    def wait(self) -> None:
+        """Wait for the memory tier's snapshot and promotion in flight (every rank); raise a
+        failure (as ``Checkpointer.wait``)."""
+        self._engine.wait()
+
     def _prepare(self, state: dict[str, Any]) -> tuple[api.FlatState, api.SavePlan]:
         flat = api.flatten(state)
         return flat, self._plans.plan(flat, self.rank, self.world_size)
