@@ -235,7 +235,18 @@ class BatonNotices:
         )
         deadline = self._notice[1].deadline
         left = None if deadline is None else deadline - self.deadline_margin - now0
-        return choose_tier(durable_s=durable_s, memory_s=memory_s, left=left) is Tier.MEMORY
+        if choose_tier(durable_s=durable_s, memory_s=memory_s, left=left) is not Tier.MEMORY:
+            return False
+        log.warning(
+            "rank %d: a durable save is estimated at %.2fs, the memory tier with its "
+            "replication at %.2fs, and %.2fs are left before the deadline minus the margin: "
+            "committing to the memory tier, then promoting it",
+            self.rank,
+            durable_s,
+            memory_s,
+            left,
+        )
+        return True
 
     def _commit_to_memory(self, step: int, prepared: tuple[api.FlatState, api.SavePlan]) -> None:
         """Serve the notice with a memory commit (every rank), then promote it in the
@@ -243,12 +254,6 @@ class BatonNotices:
         for the promotion, as the ``Checkpointer``'s ``exit_code`` says."""
         assert self._notice is not None
         trigger = self._notice[1].trigger
-        log.warning(
-            "rank %d: a durable save of step %d would not end before the deadline: committing "
-            "it to the memory tier, then promoting it",
-            self.rank,
-            step,
-        )
 
         def commit() -> None:
             if not self._engine.commit_memory(step, prepared):
