@@ -56,7 +56,11 @@ class BatonNotices:
     ``init_process_group``; it creates a gloo group of its own for the agreement, registers
     this run's attempt in the checkpoint's fence (``$BATON_ATTEMPT``, else a new generation)
     and reports to the sidecar through ``$BATON_CONTROL_DIR`` when it is set. ``uri`` defaults
-    to ``$BATON_CHECKPOINT_URI``. Call :meth:`close` at the end (or use it as a context).
+    to ``$BATON_CHECKPOINT_URI``. ``fast_dir`` and ``fast_every_steps`` (defaults
+    ``$BATON_FAST_DIR`` and ``$BATON_FAST_EVERY_STEPS``) turn on the memory tier, as for a
+    ``Checkpointer`` (its process group is created here too): :meth:`snapshot`, and
+    :meth:`resume` and notices that consider it (see the package docstring). Call
+    :meth:`close` at the end (or use it as a context).
     """
 
     def __init__(
