@@ -9,10 +9,11 @@ down), so that the kubelet restarts it and the alerting sees it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from aiohttp import web
 from prometheus_client import (
@@ -34,89 +35,104 @@ _LATENCY_BUCKETS: Final = (0.5, 1, 2, 5, 10, 15, 30, 60, 90, 120, 180, 300, 600)
 _STEPS_BUCKETS: Final = (0, 1, 5, 10, 50, 100, 500, 1000, 5000, 10000)
 
 
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+def _family(
+    kind: type[_M],
+    name: str,
+    documentation: str,
+    *,
+    registry: CollectorRegistry,
+    labels: tuple[str, ...] = _JOB,
+    buckets: tuple[float, ...] | None = None,
+) -> _M:
+    """One metric family on ``registry``, labelled per job unless ``labels`` says otherwise
+    (``buckets``: a histogram's)."""
+    histogram: dict[str, Any] = {} if buckets is None else {"buckets": buckets}
+    return kind(name, documentation, labels, registry=registry, **histogram)
+
+
 class Metrics:
     """All operator metrics, on their own registry (so tests can make fresh ones)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.notice_to_commit = Histogram(
-            "baton_checkpoint_notice_to_commit_seconds",
+        family = functools.partial(_family, registry=self.registry)
+        self.notice_to_commit = family(
+            Histogram, "baton_checkpoint_notice_to_commit_seconds",
             "Seconds from a notice to every rank's committed checkpoint.",
-            _JOB, buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
         )  # fmt: skip
-        self.deadline_margin = Histogram(
-            "baton_checkpoint_deadline_margin_seconds",
+        self.deadline_margin = family(
+            Histogram, "baton_checkpoint_deadline_margin_seconds",
             "Notice deadline minus commit time (negative: too late).",
-            _JOB, buckets=(-60, -10, 0, 5, 10, 30, 60, 120, 300, 600), registry=r,
+            buckets=(-60, -10, 0, 5, 10, 30, 60, 120, 300, 600),
         )  # fmt: skip
-        self.preemptions = Counter("baton_preemptions", "Preemptions acted on.", _JOB, registry=r)
-        self.restarts = Counter(
-            "baton_restarts", "Restarts by reason.", (*_JOB, "reason"), registry=r
+        self.preemptions = family(Counter, "baton_preemptions", "Preemptions acted on.")
+        self.restarts = family(
+            Counter, "baton_restarts", "Restarts by reason.", labels=(*_JOB, "reason")
         )
         # The per-restart histogram and the running total cannot share the family name
         # baton_steps_lost (the text format allows one TYPE per family), hence the suffix.
-        self.steps_lost = Histogram(
-            "baton_steps_lost_per_restart", "Steps recomputed per restart.", _JOB,
-            buckets=_STEPS_BUCKETS, registry=r,
+        self.steps_lost = family(
+            Histogram, "baton_steps_lost_per_restart", "Steps recomputed per restart.",
+            buckets=_STEPS_BUCKETS,
         )  # fmt: skip
-        self.steps_lost_total = Counter(
-            "baton_steps_lost", "Steps recomputed after restarts.", _JOB, registry=r
+        self.steps_lost_total = family(
+            Counter, "baton_steps_lost", "Steps recomputed after restarts."
         )
-        self.gpu_seconds_lost_total = Counter(
-            "baton_gpu_seconds_lost",
+        self.gpu_seconds_lost_total = family(
+            Counter, "baton_gpu_seconds_lost",
             "GPU-seconds of recomputed steps (steps lost x measured step time x GPUs).",
-            _JOB, registry=r,
         )  # fmt: skip
-        self.notice_lead = Histogram(
-            "baton_notice_lead_seconds",
+        self.notice_lead = family(
+            Histogram, "baton_notice_lead_seconds",
             "Seconds between a notice's arrival and its deadline (what the cloud gave).",
-            _JOB, buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
         )  # fmt: skip
-        self.restart_seconds = Histogram(
-            "baton_restart_seconds",
+        self.restart_seconds = family(
+            Histogram, "baton_restart_seconds",
             "Seconds from the last good step before an interruption to the first step after.",
-            _JOB, buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
         )  # fmt: skip
-        self.goodput = Gauge(
-            "baton_goodput_ratio",
+        self.goodput = family(
+            Gauge, "baton_goodput_ratio",
             "Productive step time over wall time since the job was created (less suspended "
             "time); an estimate from the ranks' reported step and step time.",
-            _JOB, registry=r,
         )  # fmt: skip
-        self.checkpoints = Counter(
-            "baton_checkpoints",
+        self.checkpoints = family(
+            Counter, "baton_checkpoints",
             "Commits the operator recorded in status.lastCheckpoint, by the tier they went to "
             "(durable, memory, memory+promoted: a memory commit's promotion counts again).",
-            (*_JOB, "tier"), registry=r,
+            labels=(*_JOB, "tier"),
         )  # fmt: skip
-        self.jobs = Gauge("baton_jobs", "TrainingJobs by phase.", ("phase",), registry=r)
-        self.notices = Counter(
-            "baton_notices", "Eviction notices seen, by source.", ("source",), registry=r
+        self.jobs = family(Gauge, "baton_jobs", "TrainingJobs by phase.", labels=("phase",))
+        self.notices = family(
+            Counter, "baton_notices", "Eviction notices seen, by source.", labels=("source",)
         )
-        self.failure_budget = Gauge(
-            "baton_failure_budget_remaining", "Failures left before Failed.", _JOB, registry=r
+        self.failure_budget = family(
+            Gauge, "baton_failure_budget_remaining", "Failures left before Failed."
         )
-        self.last_checkpoint = Gauge(
-            "baton_last_checkpoint_timestamp_seconds",
+        self.last_checkpoint = family(
+            Gauge, "baton_last_checkpoint_timestamp_seconds",
             "Unix time of the last committed checkpoint the operator saw (until the first: "
-            "the job's creation time).", _JOB, registry=r,
+            "the job's creation time).",
         )  # fmt: skip
-        self.checkpoint_interval = Gauge(
-            "baton_checkpoint_interval_seconds",
+        self.checkpoint_interval = family(
+            Gauge, "baton_checkpoint_interval_seconds",
             "With checkpoint.everySeconds: auto, the interval chosen for the current attempt.",
-            _JOB, registry=r,
         )  # fmt: skip
-        self.api_errors = Counter(
-            "baton_operator_api_errors",
+        self.api_errors = family(
+            Counter, "baton_operator_api_errors",
             "Kubernetes API calls that failed, by verb and HTTP code (0: no answer, a timeout).",
-            ("verb", "code"), registry=r,
+            labels=("verb", "code"),
         )  # fmt: skip
-        self.leader = Gauge(
-            "baton_operator_leader",
+        self.leader = family(
+            Gauge, "baton_operator_leader",
             "1 while this operator replica holds the Lease and acts; 0 while it stands by.",
-            registry=r,
-        )
+            labels=(),
+        )  # fmt: skip
         self._live: set[tuple[str, str]] = set()
         self._restart_reasons: dict[tuple[str, str], set[str]] = {}
         self._phases: dict[tuple[str, str], str] = {}

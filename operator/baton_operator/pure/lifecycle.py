@@ -380,56 +380,41 @@ def plan_restart(
             f"unknown restart kind {kind!r}: use preemption, failure, elastic or suspend"
         )
     resume = "from scratch" if resume_step is None else f"from step {resume_step}"
-    if kind == RestartKind.SUSPEND:
+
+    def plan(phase: Phase, message: str, *, after: datetime | None = None) -> RestartPlan:
+        # The budgets as counted below; a job that Failed keeps its attempt number.
         return RestartPlan(
-            phase=Phase.SUSPENDED,
-            attempt=attempt + 1,
+            phase=phase,
+            attempt=attempt if phase is Phase.FAILED else attempt + 1,
             replicas=replicas or spec.replicas,
             preemptions=preemptions,
             failures=failures,
             resume_step=resume_step,
-            restart_after=None,
+            restart_after=after,
             reason=kind,
-            message=f"suspended ({detail}); unsuspending resumes {resume}",
-            exhausted=False,
+            message=message,
+            exhausted=phase is Phase.FAILED,
         )
+
+    if kind == RestartKind.SUSPEND:
+        return plan(Phase.SUSPENDED, f"suspended ({detail}); unsuspending resumes {resume}")
     if kind == RestartKind.PREEMPTION:
         preemptions += 1
     elif kind == RestartKind.FAILURE:
         failures += 1
     if failures > spec.max_failures:
-        return RestartPlan(
-            phase=Phase.FAILED,
-            attempt=attempt,
-            replicas=replicas or spec.replicas,
-            preemptions=preemptions,
-            failures=failures,
-            resume_step=resume_step,
-            restart_after=None,
-            reason=kind,
-            message=(
-                f"failure budget exhausted: {failures} failures > maxFailures "
-                f"{spec.max_failures} (last: {detail}); fix the cause, then raise "
-                "spec.failurePolicy.maxFailures or re-create the job"
-            ),
-            exhausted=True,
+        return plan(
+            Phase.FAILED,
+            f"failure budget exhausted: {failures} failures > maxFailures "
+            f"{spec.max_failures} (last: {detail}); fix the cause, then raise "
+            "spec.failurePolicy.maxFailures or re-create the job",
         )
     if preemptions > spec.max_preemptions:
-        return RestartPlan(
-            phase=Phase.FAILED,
-            attempt=attempt,
-            replicas=replicas or spec.replicas,
-            preemptions=preemptions,
-            failures=failures,
-            resume_step=resume_step,
-            restart_after=None,
-            reason=kind,
-            message=(
-                f"preemption budget exhausted: {preemptions} preemptions > maxPreemptions "
-                f"{spec.max_preemptions}; consider on-demand nodes or raise "
-                "spec.failurePolicy.maxPreemptions"
-            ),
-            exhausted=True,
+        return plan(
+            Phase.FAILED,
+            f"preemption budget exhausted: {preemptions} preemptions > maxPreemptions "
+            f"{spec.max_preemptions}; consider on-demand nodes or raise "
+            "spec.failurePolicy.maxPreemptions",
         )
     delay = (
         backoff_seconds(failures, base=spec.backoff_seconds, ceiling=spec.max_backoff_seconds)
@@ -438,18 +423,7 @@ def plan_restart(
     )
     after = now + timedelta(seconds=delay) if delay > 0 else None
     wait = f" after a {delay:.0f}s backoff" if delay > 0 else ""
-    return RestartPlan(
-        phase=Phase.RESTARTING,
-        attempt=attempt + 1,
-        replicas=replicas or spec.replicas,
-        preemptions=preemptions,
-        failures=failures,
-        resume_step=resume_step,
-        restart_after=after,
-        reason=kind,
-        message=f"restarting ({kind}: {detail}) {resume}{wait}",
-        exhausted=False,
-    )
+    return plan(Phase.RESTARTING, f"restarting ({kind}: {detail}) {resume}{wait}", after=after)
 
 
 RECOVERY_SECONDS: Final = 600.0

@@ -1,12 +1,15 @@
-"""The steps every phase takes: restart, start the next attempt, hint, delete pods, poll ranks.
+"""The steps every phase takes: ask for a checkpoint, restart, start the next attempt, hint,
+delete pods, poll ranks.
 
 The notice path (``noticing.py``), recovery (``recovering.py``), the outcomes (``controller.py``)
 and ``spec.suspend`` (``suspending.py``) all end an attempt the same way
-(:meth:`Actions.restart`: the decision written first, then the hints, then the pods), start the
-next one the same way (:meth:`Actions.start_attempt`), keep the pods' disruption hints in line
-with the phase, delete pods with the grace their node allows, and ask the sidecars what they
-did. One :class:`Actions` per operator, shared by every job's ticks; the only state it keeps is
-when it last looked each node up (bounded: see :meth:`Actions._gone_unseen`).
+(:meth:`Actions.restart`: the decision written first, then the hints, then the pods) and start
+the next one the same way (:meth:`Actions.start_attempt`); a notice and a suspend ask a running
+attempt for its checkpoint the same way (:meth:`Actions.ask_checkpoint`). Actions also keeps the
+pods' disruption hints in line with the phase, deletes pods with the grace their node allows,
+and asks the sidecars what they did. One :class:`Actions` per operator, shared by every job's
+ticks; the only state it keeps is when it last looked each node up (bounded: see
+:meth:`Actions._gone_unseen`).
 
 Also the records the rooms above build alike: a lost pod's entry (:func:`lost_pod`), an
 interruption's history entry (:func:`interruption`), and whether ``masterAddr`` is a name
@@ -24,7 +27,7 @@ from typing import Any, Final
 
 from baton_operator.pure import disruption, economics, interval, lifecycle, manifests
 from baton_operator.pure.errors import KubeError, SidecarUnreachableError
-from baton_operator.pure.jobstatus import StatusPatch, iso
+from baton_operator.pure.jobstatus import NoticeRecord, StatusPatch, iso
 from baton_operator.pure.lifecycle import Phase, RankView
 from baton_operator.pure.model import JobSpec
 from baton_operator.pure.nodes import UNSEEN_DELETION
@@ -103,6 +106,50 @@ class Actions(Room):
                 await self._kube.patch_pod_annotations(t.spec.namespace, name, hints)
             except KubeError as e:
                 _log.warning("disruption hints on pod %s not updated: %s", name, e)
+
+    async def ask_checkpoint(
+        self,
+        t: Tick,
+        *,
+        deadline: datetime,
+        why: str,
+        then: str = "",
+        source: str,
+        nodes: Sequence[str],
+        reason: str,
+        condition: str,
+        event: tuple[str, str],
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Move a running attempt to ``Checkpointing``: a notice's save and a suspend's.
+
+        One status write records the request in ``status.notice`` (``source``, ``nodes``,
+        ``reason`` and ``deadline``, given at least ``minCheckpointWindowSeconds``) with the
+        caller's other ``fields``; the hints follow, then an Event (``event``: its type and
+        reason) with the message "<why>: asking all N ranks to checkpoint before <deadline>
+        <then>". The requests themselves go at the next tick (``NoticePath.checkpointing``).
+        """
+        deadline = lifecycle.clamp_deadline(
+            deadline, now=t.now,
+            least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
+        )  # fmt: skip
+        message = (
+            f"{why}: asking "
+            f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
+            f"before {iso(deadline)}{then}"
+        )
+        record = NoticeRecord.render(
+            source=source, nodes=nodes, reason=reason, deadline=deadline, received_at=t.now
+        )
+        await self._patch(
+            t,
+            t.patch()
+            .phase(Phase.CHECKPOINTING)
+            .condition("Checkpointing", True, condition, message)
+            .set({**(fields or {}), "notice": record, "message": message}),
+        )
+        await self.hint(t, list(t.current.values()), Phase.CHECKPOINTING)
+        await self._event(t.job, *event, message)
 
     async def _gone_unseen(self, pod: PodView, now: datetime) -> None:
         """A pod whose graceful deletion is overdue, on a node thought alive: if the Node no

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from baton_operator.pure import economics, lifecycle, reports
@@ -85,28 +85,12 @@ class NoticePath(Room):
                 ),
             )  # fmt: skip
             return
-        deadline = lifecycle.clamp_deadline(
-            notice.deadline, now=now,
-            least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
-        )  # fmt: skip
-        message = (
-            f"{notice.reason} on node {notice.node}: asking "
-            f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
-            f"before {iso(deadline)}"
-        )
-        notice_status = NoticeRecord.render(
+        await self._actions.ask_checkpoint(
+            t, deadline=notice.deadline, why=f"{notice.reason} on node {notice.node}",
             source=notice.source, nodes=noticed or [notice.node], reason=notice.reason,
-            deadline=deadline, received_at=now,
+            condition="EvictionNotice", event=("Warning", "EvictionNotice"),
+            fields={"avoidNodes": avoid},
         )  # fmt: skip
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.CHECKPOINTING)
-            .condition("Checkpointing", True, "EvictionNotice", message)
-            .set({"avoidNodes": avoid, "notice": notice_status, "message": message}),
-        )
-        await self._actions.hint(t, list(t.current.values()), Phase.CHECKPOINTING)
-        await self._event(t.job, "Warning", "EvictionNotice", message)
 
     async def checkpointing(self, t: Tick) -> None:
         """A ``Checkpointing`` tick: ask every rank (once), poll them, carry the verdict out."""

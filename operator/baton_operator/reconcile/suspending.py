@@ -5,8 +5,9 @@ deadline and verdict, in ``noticing.py``), then its pods stop; a pending
 one stops at once; a suspended job keeps no pod, and when ``spec.suspend`` is false again the
 next attempt starts from the step recorded when it stopped. No budget is spent and no restart
 is counted. The controller decides *when* (it reads ``spec.suspend`` on every tick); this
-module carries the suspend out with the steps every phase uses (``actions.py``: restart, hint,
-delete pods, start the next attempt), the same ones the notice path uses.
+module carries the suspend out with the steps every phase uses (``actions.py``: ask for a
+checkpoint, restart, hint, delete pods, start the next attempt), the same ones the notice path
+uses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from baton_operator.pure import lifecycle, reports
-from baton_operator.pure.jobstatus import NoticeRecord, iso
+from baton_operator.pure.jobstatus import iso
 from baton_operator.pure.lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
 from baton_operator.pure.model import LastCheckpoint
 from baton_operator.pure.notices import parse_time
@@ -64,28 +65,12 @@ class Suspender(Room):
                 detail="spec.suspend is true before the attempt was running",
             )  # fmt: skip
             return
-        deadline = lifecycle.clamp_deadline(
-            now + timedelta(seconds=self._config.suspend_save_seconds), now=now,
-            least=timedelta(seconds=self._config.min_checkpoint_window_seconds),
+        await self._actions.ask_checkpoint(
+            t, deadline=now + timedelta(seconds=self._config.suspend_save_seconds),
+            why="spec.suspend is true", then=", then stopping the pods", source=SUSPEND_SOURCE,
+            nodes=(), reason="spec.suspend is true", condition="Suspend",
+            event=("Normal", "Suspending"),
         )  # fmt: skip
-        message = (
-            f"spec.suspend is true: asking "
-            f"{lifecycle.every_rank(len(t.current), t.spec.procs_per_replica)} to checkpoint "
-            f"before {iso(deadline)}, then stopping the pods"
-        )
-        record = NoticeRecord.render(
-            source=SUSPEND_SOURCE, nodes=(), reason="spec.suspend is true", deadline=deadline,
-            received_at=now,
-        )  # fmt: skip
-        await self._patch(
-            t,
-            t.patch()
-            .phase(Phase.CHECKPOINTING)
-            .condition("Checkpointing", True, "Suspend", message)
-            .set({"notice": record, "message": message}),
-        )
-        await self._actions.hint(t, list(t.current.values()), Phase.CHECKPOINTING)
-        await self._event(t.job, "Normal", "Suspending", message)
 
     async def end_save(self, t: Tick, verdict: Verdict) -> None:
         """The suspend's save committed or failed: stop the pods either way (the queue wants
