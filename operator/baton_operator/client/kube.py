@@ -162,23 +162,31 @@ class Kube:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
-    @_needs(crd.GROUP, crd.PLURAL, "get")
-    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """Return the TrainingJob, or None when it is gone."""
+    async def _unless_gone(
+        self, what: str, call: Callable[..., _R], *args: Any, **kwargs: Any
+    ) -> _R | None:
+        """:meth:`_run` ``call``; None when its object is gone (404), and any other refusal
+        raised as a :class:`KubeError` that names ``what`` ("reading pod ns/name")."""
         try:
-            job = await self._run(
-                self._custom.get_namespaced_custom_object,
-                crd.GROUP,
-                crd.VERSION,
-                namespace,
-                crd.PLURAL,
-                name,
-            )
+            return await self._run(call, *args, **kwargs)
         except ApiException as e:
             if e.status == 404:
                 return None
-            raise _translate(e, f"reading TrainingJob {namespace}/{name}") from e
-        return cast(dict[str, Any], job)
+            raise _translate(e, what) from e
+
+    @_needs(crd.GROUP, crd.PLURAL, "get")
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Return the TrainingJob, or None when it is gone."""
+        job = await self._unless_gone(
+            f"reading TrainingJob {namespace}/{name}",
+            self._custom.get_namespaced_custom_object,
+            crd.GROUP,
+            crd.VERSION,
+            namespace,
+            crd.PLURAL,
+            name,
+        )
+        return None if job is None else cast(dict[str, Any], job)
 
     @_needs(crd.GROUP, f"{crd.PLURAL}/status", "patch")
     async def patch_job_status(
@@ -260,18 +268,14 @@ class Kube:
     @_needs("", "pods", "delete")
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None) -> None:
         """Delete a pod (gone already is fine)."""
-        try:
-            await self._run(
-                self._core.delete_namespaced_pod,
-                name,
-                namespace,
-                grace_period_seconds=grace_seconds,
-                propagation_policy="Background",
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return
-            raise _translate(e, f"deleting pod {namespace}/{name}") from e
+        await self._unless_gone(
+            f"deleting pod {namespace}/{name}",
+            self._core.delete_namespaced_pod,
+            name,
+            namespace,
+            grace_period_seconds=grace_seconds,
+            propagation_policy="Background",
+        )
 
     @_needs("", "pods", "patch")
     async def patch_pod_annotations(
@@ -279,18 +283,14 @@ class Kube:
     ) -> None:
         """Merge ``annotations`` into a pod's (None removes a key); a pod gone is fine."""
         body = {"metadata": {"annotations": dict(annotations)}}
-        try:
-            await self._run(
-                self._core.patch_namespaced_pod,
-                name,
-                namespace,
-                body,
-                _content_type="application/merge-patch+json",
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return
-            raise _translate(e, f"patching pod {namespace}/{name}'s annotations") from e
+        await self._unless_gone(
+            f"patching pod {namespace}/{name}'s annotations",
+            self._core.patch_namespaced_pod,
+            name,
+            namespace,
+            body,
+            _content_type="application/merge-patch+json",
+        )
 
     @_needs("", "services", "create")
     async def create_service(self, namespace: str, body: dict[str, Any]) -> bool:
@@ -308,14 +308,12 @@ class Kube:
         again in between is not deleted either.
         """
         what = f"service {namespace}/{name}"
-        try:
-            resp = await self._run(
-                self._core.read_namespaced_service, name, namespace, _preload_content=False
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise _translate(e, f"reading {what}") from e
+        resp = await self._unless_gone(
+            f"reading {what}",
+            self._core.read_namespaced_service, name, namespace, _preload_content=False,
+        )  # fmt: skip
+        if resp is None:
+            return False
         meta = json.loads(resp.data).get("metadata") or {}
         if not any(o.get("uid") == owner_uid for o in meta.get("ownerReferences") or []):
             return False
@@ -342,19 +340,15 @@ class Kube:
     async def delete_pod_group(self, namespace: str, name: str) -> None:
         """Delete a PodGroup (gone already is fine). Its finalizer keeps it until no pod
         uses it any more (the controller-manager's podgroup-protection controller)."""
-        try:
-            await self._run(
-                self._custom.delete_namespaced_custom_object,
-                "scheduling.k8s.io",
-                "v1beta1",
-                namespace,
-                "podgroups",
-                name,
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return
-            raise _translate(e, f"deleting PodGroup {namespace}/{name}") from e
+        await self._unless_gone(
+            f"deleting PodGroup {namespace}/{name}",
+            self._custom.delete_namespaced_custom_object,
+            "scheduling.k8s.io",
+            "v1beta1",
+            namespace,
+            "podgroups",
+            name,
+        )
 
     async def serves(self, group_version: str, plural: str) -> bool:
         """Whether the API server serves ``plural`` in ``group_version`` (e.g.
@@ -366,17 +360,15 @@ class Kube:
         """
         path = f"/apis/{group_version}" if "/" in group_version else f"/api/{group_version}"
         try:
-            data = await self._run(self._get_json, path)
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise _translate(e, f"discovering {group_version}") from e
+            data = await self._unless_gone(f"discovering {group_version}", self._get_json, path)
         except (OSError, Urllib3Error) as e:
             # No answer (a refused connection, a timeout): an outage, retried by the caller.
             raise KubeError.from_answer(
                 f"discovering {group_version}: no answer from the API server ({type(e).__name__})",
                 status=0,
             ) from e
+        if data is None:
+            return False
         resources = data.get("resources") or []
         return any(isinstance(r, dict) and r.get("name") == plural for r in resources)
 
@@ -423,14 +415,12 @@ class Kube:
         """Return one decoded key of a Secret, or None when the Secret or key is missing."""
         import base64
 
-        try:
-            resp = await self._run(
-                self._core.read_namespaced_secret, name, namespace, _preload_content=False
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise _translate(e, f"reading Secret {namespace}/{name}") from e
+        resp = await self._unless_gone(
+            f"reading Secret {namespace}/{name}",
+            self._core.read_namespaced_secret, name, namespace, _preload_content=False,
+        )  # fmt: skip
+        if resp is None:
+            return None
         data = json.loads(resp.data).get("data") or {}
         if key not in data:
             return None

@@ -115,16 +115,9 @@ class LeaseClient:
 
     async def get(self) -> dict[str, Any] | None:
         """The Lease as a dict, or None when there is none."""
-        try:
-            resp = await self._call(self._api.read_namespaced_lease, self.name, self.namespace)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise KubeError(f"reading {self._what()}: HTTP {e.status}", status=e.status) from e
-        except _NO_ANSWER as e:
-            raise KubeError(f"reading {self._what()}: {type(e).__name__}") from e
-        lease: dict[str, Any] = json.loads(resp.data)
-        return lease
+        return await self._request(
+            "reading", 404, self._api.read_namespaced_lease, self.name, self.namespace
+        )
 
     def _body(self, spec: dict[str, Any], resource_version: str | None = None) -> dict[str, Any]:
         metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
@@ -132,33 +125,35 @@ class LeaseClient:
             metadata["resourceVersion"] = resource_version
         return {"apiVersion": f"{GROUP}/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
-    async def _write(
-        self, doing: str, call: Callable[..., Any], *args: Any
+    async def _request(
+        self, doing: str, none_on: int, call: Callable[..., Any], *args: Any
     ) -> dict[str, Any] | None:
-        """One create or guarded replace: the Lease as written (with its new resourceVersion),
-        or None when another operator wrote first (409)."""
+        """One read, create or guarded replace: the Lease as the API server answered (after a
+        write, with its new resourceVersion), or None on the HTTP status ``none_on`` (404 on a
+        read: there is no Lease; 409 on a write: another operator wrote first). Any other
+        refusal, and no answer at all, is a :class:`KubeError` that names what was being done."""
         try:
             resp = await self._call(call, *args)
         except ApiException as e:
-            if e.status == 409:
+            if e.status == none_on:
                 return None
             raise KubeError(f"{doing} {self._what()}: HTTP {e.status}", status=e.status) from e
         except _NO_ANSWER as e:
             raise KubeError(f"{doing} {self._what()}: {type(e).__name__}") from e
-        written: dict[str, Any] = json.loads(resp.data)
-        return written
+        lease: dict[str, Any] = json.loads(resp.data)
+        return lease
 
     async def create(self, spec: dict[str, Any]) -> dict[str, Any] | None:
         """Create the Lease; None when another operator created it first."""
-        return await self._write(
-            "creating", self._api.create_namespaced_lease, self.namespace, self._body(spec)
+        return await self._request(
+            "creating", 409, self._api.create_namespaced_lease, self.namespace, self._body(spec)
         )
 
     async def update(self, lease: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any] | None:
         """Replace the Lease's spec, guarded by its resourceVersion; None on a conflict."""
         body = self._body(spec, lease["metadata"]["resourceVersion"])
-        return await self._write(
-            "updating", self._api.replace_namespaced_lease, self.name, self.namespace, body
+        return await self._request(
+            "updating", 409, self._api.replace_namespaced_lease, self.name, self.namespace, body
         )
 
 
