@@ -25,6 +25,7 @@ from trainer_sdk import Checkpointer, _catalog, api
 from trainer_sdk._catalog import complete_steps, manifest_key, read_manifest
 from trainer_sdk.errors import IncompleteCheckpointError, ManifestError
 from trainer_sdk.storage import open_storage
+from trainer_sdk.storage._s3_client import make_client
 from trainer_sdk.storage.local import LocalStorage
 from trainer_sdk.storage.s3 import S3Config, S3Storage
 
@@ -228,7 +229,7 @@ def test_on_s3_a_manifest_over_the_limit_is_refused_with_its_body_unread(
     size = len(s3_faults.get(key))
     monkeypatch.setattr(_catalog, "_manifests", _catalog._ManifestCache())
     monkeypatch.setattr(_catalog, "MAX_JSON_BYTES", size - 1)
-    client = S3Storage._make_client(S3Config.from_env())
+    client = make_client(S3Config.from_env())
     read: list[int] = []
 
     def spy(parsed: dict[str, Any], **_: Any) -> None:

@@ -16,15 +16,16 @@ Configuration comes from the standard AWS variables (``AWS_ENDPOINT_URL_S3``, ``
 the credentials chain) and from :class:`S3Config`. Credentials are never logged.
 
 Why one module of this size: the writer, the ranged reader and the conditional writes share
-one client, its configuration and its error translation; the retry policy, which has no
-S3 knowledge of its own, lives apart in ``_s3_retry.py``.
+one client, its configuration and its error translation. What stands apart lives beside it:
+the retry policy, which has no S3 knowledge of its own (``_s3_retry.py``), the making of a
+client from :class:`S3Config` (``_s3_client.py``), and the paging and batching of listing and
+deleting whole trees (``_s3_tree.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import hashlib
 import logging
 import math
@@ -35,14 +36,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
-import boto3
-import botocore.config
-import botocore.loaders
-import botocore.session
-
 from trainer_sdk.errors import StorageError
 from trainer_sdk.storage import _s3_retry as _retry
-from trainer_sdk.storage import _save_deadline
+from trainer_sdk.storage import _s3_tree, _save_deadline
+from trainer_sdk.storage._s3_client import make_client
 from trainer_sdk.storage.base import TooLargeError
 
 __all__ = ["S3Config", "S3Storage"]
@@ -208,16 +205,6 @@ def part_size(first: int, part_number: int) -> int:
     return min(MAX_PART_SIZE, first << ((part_number - 1) // _PARTS_PER_SIZE_STEP))
 
 
-_LOADER_LOCK = threading.Lock()
-"""Guards the creation of clients (and of the shared loader, on the first one)."""
-
-
-@functools.cache
-def _loader() -> Any:
-    """The process's one botocore data loader: the S3 model is parsed once per process."""
-    return botocore.loaders.create_loader()
-
-
 def _multipart_etag(etags: list[str]) -> str:
     """The ETag S3 gives a completed multipart object whose parts have MD5 ETags."""
     digests = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
@@ -236,10 +223,10 @@ class S3Storage:
 
     Thread-safe: one boto3 client serves every writer and reader of this storage.
 
-    Why one class of this size: it is the whole :class:`~trainer_sdk.storage.Storage`
-    protocol on S3 (some twenty operations, each short), and every one goes through the same
-    client, key mapping, retry policy and error translation; the multipart writer is its own
-    class below.
+    It is the whole :class:`~trainer_sdk.storage.Storage` protocol on S3 (some twenty
+    operations, each short), and every one goes through the same client, key mapping, retry
+    policy and error translation; the multipart writer is its own class below, and the
+    listing and deleting of trees is :class:`~trainer_sdk.storage._s3_tree.S3Trees`'s.
     """
 
     def __init__(
@@ -255,7 +242,7 @@ class S3Storage:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.config = config or S3Config()
-        self._main_client = client if client is not None else self._make_client(self.config)
+        self._main_client = client if client is not None else make_client(self.config)
         self._client_given = client is not None
         self._once_client: Any = None
         self._once_lock = threading.Lock()
@@ -286,29 +273,6 @@ class S3Storage:
         bucket, _, prefix = uri[len("s3://") :].partition("/")
         return cls(bucket, prefix, config=config or S3Config.from_env())
 
-    @staticmethod
-    def _make_client(config: S3Config) -> Any:
-        # botocore reads AWS_DEFAULT_REGION but not AWS_REGION, the name the contracts use.
-        region = config.region or os.environ.get("AWS_REGION") or None
-        bc = botocore.config.Config(
-            retries={"mode": config.retry_mode, "total_max_attempts": config.max_attempts},
-            connect_timeout=config.connect_timeout,
-            read_timeout=config.read_timeout,
-            max_pool_connections=config.max_pool_connections,
-            s3={"addressing_style": config.addressing_style},
-            user_agent_extra="baton-trainer-sdk",
-        )
-        # A fresh session per storage (sessions are not thread-safe, and each one resolves the
-        # credentials chain anew), sharing one loader so the S3 model is parsed once: that
-        # makes a client cost ~80 ms instead of ~400 ms.
-        with _LOADER_LOCK:
-            core = botocore.session.get_session()
-            core.register_component("data_loader", _loader())
-            session = boto3.session.Session(botocore_session=core)
-            return session.client(
-                "s3", region_name=region, endpoint_url=config.endpoint_url, config=bc
-            )
-
     # -- helpers ---------------------------------------------------------------------------
 
     @property
@@ -335,6 +299,15 @@ class S3Storage:
         return f"s3://{self.bucket}/{key}"
 
     @property
+    def _trees(self) -> _s3_tree.S3Trees:
+        # Made per use, not kept: it holds this storage's methods, and a storage that kept it
+        # would outlive its last reference until the garbage collector ran (its client too).
+        return _s3_tree.S3Trees(
+            bucket=self.bucket, page_size=self.config.list_page_size, call=self._call,
+            client=lambda: self._client, uri_of=self._uri_of,
+        )  # fmt: skip
+
+    @property
     def _client(self) -> Any:
         """The boto3 client for the request this thread is making: inside a save with a
         deadline (:meth:`_retrying`), one with botocore's own retries off."""
@@ -346,7 +319,7 @@ class S3Storage:
                 self._once_client = (
                     self._main_client
                     if self._client_given
-                    else self._make_client(dataclasses.replace(self.config, max_attempts=1))
+                    else make_client(dataclasses.replace(self.config, max_attempts=1))
                 )
             return self._once_client
 
@@ -621,32 +594,7 @@ class S3Storage:
         return self._head(self._key(path)) is not None
 
     def list_dir(self, path: str) -> list[str]:
-        prefix = self._dir_prefix(path)
-        names: set[str] = set()
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": prefix,
-                "Delimiter": "/",
-                "MaxKeys": self.config.list_page_size,
-            }
-            if token:
-                kwargs["ContinuationToken"] = token
-            resp = self._call(
-                "list", prefix, functools.partial(self._client.list_objects_v2, **kwargs)
-            )
-            for cp in resp.get("CommonPrefixes", []):
-                name = cp["Prefix"][len(prefix) :].rstrip("/")
-                if name:
-                    names.add(name)
-            for obj in resp.get("Contents", []):
-                name = obj["Key"][len(prefix) :]
-                if name:  # a "directory marker" object named like the prefix itself
-                    names.add(name)
-            if not resp.get("IsTruncated"):
-                return sorted(names)
-            token = resp["NextContinuationToken"]
+        return self._trees.names(self._dir_prefix(path))
 
     # -- deleting --------------------------------------------------------------------------
 
@@ -655,79 +603,11 @@ class S3Storage:
         self._call("delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
 
     def delete_tree(self, path: str) -> None:
-        """Delete ``path`` and every object under ``path/``, and abort multipart uploads there.
-
-        The aborts matter: a rank that crashed mid-upload leaves parts that S3 bills until
-        they are aborted, and retention or cleanup of an incomplete step is when to do it.
-        """
+        """Delete ``path`` and every object under ``path/``, and abort multipart uploads there
+        (``_s3_tree``: a crashed rank's parts are billed until they are aborted)."""
         if not path.strip("/"):
             raise ValueError("refusing to delete the whole checkpoint root: name a directory")
-        key = self._key(path.rstrip("/"))
-        prefix = key + "/"
-        keys = [key]  # the path itself, if it is an object (deleting a missing key is fine)
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": prefix,
-                "MaxKeys": self.config.list_page_size,
-            }
-            if token:
-                kwargs["ContinuationToken"] = token
-            resp = self._call(
-                "list", prefix, functools.partial(self._client.list_objects_v2, **kwargs)
-            )
-            keys.extend(obj["Key"] for obj in resp.get("Contents", []))
-            if not resp.get("IsTruncated"):
-                break
-            token = resp["NextContinuationToken"]
-        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
-            resp = self._call(
-                "delete",
-                prefix,
-                functools.partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch),
-            )
-            errors = resp.get("Errors", [])
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    f"deleting {len(errors)} objects under {self._uri_of(prefix)} failed, e.g. "
-                    f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}: grant "
-                    "s3:DeleteObject (see docs/s3.md) and delete again"
-                )
-        self._abort_uploads_under(prefix)
-
-    def _abort_uploads_under(self, prefix: str) -> None:
-        markers: dict[str, str] = {}
-        while True:
-            resp = self._call(
-                "list uploads",
-                prefix,
-                functools.partial(
-                    self._client.list_multipart_uploads,
-                    Bucket=self.bucket,
-                    Prefix=prefix,
-                    **markers,
-                ),
-            )
-            for up in resp.get("Uploads", []):
-                self._call(
-                    "abort upload",
-                    up["Key"],
-                    functools.partial(
-                        self._client.abort_multipart_upload,
-                        Bucket=self.bucket,
-                        Key=up["Key"],
-                        UploadId=up["UploadId"],
-                    ),
-                )
-            if not resp.get("IsTruncated"):
-                return
-            markers = {
-                "KeyMarker": resp["NextKeyMarker"],
-                "UploadIdMarker": resp["NextUploadIdMarker"],
-            }
+        self._trees.delete(self._key(path.rstrip("/")))
 
 
 @dataclass(kw_only=True)
