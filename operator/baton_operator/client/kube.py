@@ -174,6 +174,13 @@ class Kube:
                 return None
             raise _translate(e, what) from e
 
+    async def _read_raw(
+        self, what: str, read: Callable[..., Any], name: str, namespace: str
+    ) -> dict[str, Any] | None:
+        """The object ``read`` returns, as raw JSON (no generated models); None when gone."""
+        resp = await self._unless_gone(what, read, name, namespace, _preload_content=False)
+        return None if resp is None else cast(dict[str, Any], json.loads(resp.data))
+
     @_needs(crd.GROUP, crd.PLURAL, "get")
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Return the TrainingJob, or None when it is gone."""
@@ -308,13 +315,12 @@ class Kube:
         again in between is not deleted either.
         """
         what = f"service {namespace}/{name}"
-        resp = await self._unless_gone(
-            f"reading {what}",
-            self._core.read_namespaced_service, name, namespace, _preload_content=False,
-        )  # fmt: skip
-        if resp is None:
+        service = await self._read_raw(
+            f"reading {what}", self._core.read_namespaced_service, name, namespace
+        )
+        if service is None:
             return False
-        meta = json.loads(resp.data).get("metadata") or {}
+        meta = service.get("metadata") or {}
         if not any(o.get("uid") == owner_uid for o in meta.get("ownerReferences") or []):
             return False
         try:
@@ -415,13 +421,12 @@ class Kube:
         """Return one decoded key of a Secret, or None when the Secret or key is missing."""
         import base64
 
-        resp = await self._unless_gone(
-            f"reading Secret {namespace}/{name}",
-            self._core.read_namespaced_secret, name, namespace, _preload_content=False,
-        )  # fmt: skip
-        if resp is None:
+        secret = await self._read_raw(
+            f"reading Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace
+        )
+        if secret is None:
             return None
-        data = json.loads(resp.data).get("data") or {}
+        data = secret.get("data") or {}
         if key not in data:
             return None
         return base64.b64decode(data[key]).decode()

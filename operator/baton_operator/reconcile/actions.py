@@ -12,7 +12,8 @@ ticks; the only state it keeps is when it last looked each node up (bounded: see
 :meth:`Actions._gone_unseen`).
 
 Also the records the rooms above build alike: a lost pod's entry (:func:`lost_pod`), an
-interruption's history entry (:func:`interruption`), and whether ``masterAddr`` is a name
+interruption's history entry (:func:`interruption`), the ``status.lastCheckpoint`` of a save
+asked for and committed (:func:`requested_checkpoint`), and whether ``masterAddr`` is a name
 (:func:`is_dns_name`).
 """
 
@@ -28,19 +29,19 @@ from typing import Any, Final
 from baton_operator.pure import disruption, economics, interval, lifecycle, manifests
 from baton_operator.pure.errors import KubeError, SidecarUnreachableError
 from baton_operator.pure.jobstatus import NoticeRecord, StatusPatch, iso
-from baton_operator.pure.lifecycle import Phase, RankView
-from baton_operator.pure.model import JobSpec
+from baton_operator.pure.lifecycle import Phase, RankView, Verdict
+from baton_operator.pure.model import JobSpec, LastCheckpoint
 from baton_operator.pure.nodes import UNSEEN_DELETION
 from baton_operator.pure.notices import parse_time
 from baton_operator.pure.pods import PodView, delete_grace
 from baton_operator.pure.reports import SidecarStatus
 from baton_operator.pure.tick import JobMemory, Tick
-from baton_operator.pure.vocabulary import RestartKind
+from baton_operator.pure.vocabulary import RestartKind, Trigger
 
 from .creating import Creator
 from .services import Room, Services
 
-__all__ = ["Actions", "interruption", "is_dns_name", "lost_pod"]
+__all__ = ["Actions", "interruption", "is_dns_name", "lost_pod", "requested_checkpoint"]
 
 _log = logging.getLogger("baton_operator.actions")
 
@@ -79,6 +80,18 @@ def interruption(t: Tick, cause: economics.Cause, *, resume_step: int | None) ->
         cause, attempt=t.status.attempt, resume_step=resume_step,
         progress=economics.progress(t.memory.reports.values()),
         gpus=economics.gpus(t.current.values()), now=t.now,
+    )  # fmt: skip
+
+
+def requested_checkpoint(
+    t: Tick, step: int, verdict: Verdict, *, tier: str | None = None
+) -> LastCheckpoint:
+    """``status.lastCheckpoint`` for the save a notice or a suspend asked for, which
+    ``verdict`` found committed at ``step`` (``tier``: as the ranks reported it; None: none
+    recorded)."""
+    return LastCheckpoint(
+        step=step, uri=verdict.uri or t.spec.checkpoint_uri, trigger=Trigger.NOTICE.value,
+        completed_at=iso(t.now), seconds=verdict.seconds, tier=tier,
     )  # fmt: skip
 
 

@@ -3,15 +3,16 @@
 A notice on a running attempt (``pods.notice_for``: a node's taint, label or cordon, a pod's
 ``DisruptionTarget``) moves the job to ``Checkpointing``: one status write records the notice
 (``status.notice``: source, nodes, reason, the clamped deadline) and the nodes to avoid
-(:meth:`NoticePath.begin`). The next tick sends each rank's sidecar a checkpoint request and
-records their ids; the ticks after poll the sidecars until ``lifecycle.checkpoint_verdict``
-decides (:meth:`NoticePath.checkpointing`): the save committed (a preemption restarts from
-it), or it failed or ran out of time (a preemption restarts from the newest step known to be
-committed). A suspend's save takes the same path and ends in ``suspending.py``. With the
-memory tier, a commit of every rank to memory ends the notice at once as a recovery that
-replaces only the noticed node's pods (notice recovery; ``recovering.py`` carries it on).
-Before the attempt runs there is nothing to save: the job moves at once. One
-:class:`NoticePath` per operator, shared by every job's ticks.
+(:meth:`NoticePath.begin`, through ``Actions.ask_checkpoint`` as a suspend's save does). The
+next tick sends each rank's sidecar a checkpoint request and records their ids; the ticks after
+poll the sidecars until ``lifecycle.checkpoint_verdict`` decides
+(:meth:`NoticePath.checkpointing`): the save committed (a preemption restarts from it), or it
+failed or ran out of time (a preemption restarts from the newest step known to be committed). A
+suspend's save takes the same path and ends in ``suspending.py``. With the memory tier, a
+commit of every rank to memory ends the notice at once as a recovery that replaces only the
+noticed node's pods (notice recovery; ``recovering.py`` carries it on). Before the attempt runs
+there is nothing to save: the job moves at once. One :class:`NoticePath` per operator, shared
+by every job's ticks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from baton_operator.pure.reports import SidecarStatus
 from baton_operator.pure.tick import Tick
 from baton_operator.pure.vocabulary import InterruptionSource, RestartKind, Tier, Trigger
 
-from .actions import Actions, interruption, is_dns_name, lost_pod
+from .actions import Actions, interruption, is_dns_name, lost_pod, requested_checkpoint
 from .services import Room, Services
 from .suspending import Suspender
 
@@ -148,14 +149,10 @@ class NoticePath(Room):
             await self._suspender.end_save(t, verdict)
             return
         if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
-            checkpoint = LastCheckpoint(
-                step=verdict.step,
-                uri=verdict.uri or spec.checkpoint_uri,
-                trigger=Trigger.NOTICE.value,
-                completed_at=iso(now),
-                seconds=verdict.seconds,
+            checkpoint = requested_checkpoint(
+                t, verdict.step, verdict,
                 tier=reports.commit_tier(answers.values(), verdict.step),
-            )
+            )  # fmt: skip
             key = (spec.namespace, spec.name)
             self._metrics.checkpoint_committed(*key, checkpoint.tier)
             self._metrics.notice_to_commit.labels(*key).observe((now - received).total_seconds())

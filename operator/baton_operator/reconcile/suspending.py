@@ -19,13 +19,12 @@ from typing import Any
 from baton_operator.pure import lifecycle, reports
 from baton_operator.pure.jobstatus import iso
 from baton_operator.pure.lifecycle import SUSPEND_SOURCE, Phase, Verdict, VerdictKind
-from baton_operator.pure.model import LastCheckpoint
 from baton_operator.pure.notices import parse_time
 from baton_operator.pure.pods import PodView
 from baton_operator.pure.tick import Tick
-from baton_operator.pure.vocabulary import RestartKind, Trigger
+from baton_operator.pure.vocabulary import RestartKind
 
-from .actions import Actions
+from .actions import Actions, requested_checkpoint
 from .services import Room, Services
 
 __all__ = ["Suspender"]
@@ -77,13 +76,7 @@ class Suspender(Room):
         its quota back), recording the step the job will resume from."""
         spec, status, now = t.spec, t.status, t.now
         if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
-            checkpoint = LastCheckpoint(
-                step=verdict.step,
-                uri=verdict.uri or spec.checkpoint_uri,
-                trigger=Trigger.NOTICE.value,
-                completed_at=iso(now),
-                seconds=verdict.seconds,
-            )
+            checkpoint = requested_checkpoint(t, verdict.step, verdict)
             self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
             await self._event(
                 t.job, "Normal", "CheckpointCommitted",
