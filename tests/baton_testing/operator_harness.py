@@ -92,6 +92,17 @@ def install_operator(local_cluster: LocalCluster, workdir: Path) -> OperatorInst
     return OperatorInstall(cluster=local_cluster, kubeconfig=kubeconfig)
 
 
+def reinstall_operator(install: OperatorInstall) -> None:
+    """Apply ``install`` again, with a new token in the same kubeconfig file.
+
+    For a test that deletes what ``deploy/`` shares with this install (the ``baton-system``
+    namespace, the operator's ServiceAccount and RBAC: same names): the token of a deleted
+    ServiceAccount no longer authenticates (HTTP 401 on every call), so every operator started
+    after that test would act on nothing.
+    """
+    install_operator(install.cluster, install.kubeconfig.parent)
+
+
 @dataclass
 class OperatorProcess:
     """One ``baton-operator`` subprocess (restartable)."""

@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import pytest
 import yaml
 from baton_testing.cluster import LocalCluster
 from baton_testing.jobs import trainer_command, trainer_env, training_job
+from baton_testing.operator_harness import OperatorInstall, reinstall_operator
 from baton_testing.prometheus import (
     PrometheusServer,
     ScrapeTarget,
@@ -277,6 +278,21 @@ def test_helm_install_runs_a_job_and_uninstall_leaves_only_crds(
         _delete_namespaces(cluster, ml, ns)
 
 
+@pytest.fixture
+def operator_install_restored(operator_install: OperatorInstall) -> Iterator[None]:
+    """The session's operator install, applied again after the test.
+
+    deploy/ and the install share the ``baton-system`` namespace, the ServiceAccount and the
+    RBAC names; deleting deploy/ deletes them, and the install's token then fails every call
+    with HTTP 401. Serially no operator test had run before this module, so the loss went
+    unseen; run in another order (pytest-xdist's per-file workers) six operator tests that
+    came after it timed out with their operator refused on every call.
+    """
+    yield
+    reinstall_operator(operator_install)
+
+
+@pytest.mark.usefixtures("operator_install_restored")
 def test_kubectl_apply_k_runs_a_job_and_deletes_cleanly(
     local_cluster: LocalCluster, tmp_path: Path
 ) -> None:
