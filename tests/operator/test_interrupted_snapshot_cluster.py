@@ -210,12 +210,21 @@ def test_a_snapshot_interrupted_mid_replication_or_mid_write_is_never_used(
 
     def freeze_mid_write() -> bool:
         """Freeze rank 1's trainer while it writes a snapshot newer than s (files but no
-        manifest yet; a write takes milliseconds here: look often)."""
+        manifest yet; a write takes milliseconds here: look often).
+
+        The trainer's PIDs are found before the window, not once a write is seen: finding them
+        scans /proc (every process's environ), which takes longer than a write, and at load
+        6-10 every one of the job's 9 writes ended during the scan, the job finished, and the
+        test waited out its timeout (a pytest-xdist stress run)."""
+        phase = baton.status(job).get("phase")
+        assert phase == "Running", f"the job is {phase} before a write was caught{diag}"
+        pids = _trainer_pids(baton.cluster, replacement)
+        if not pids:
+            return False
         until = time.monotonic() + 1.0
         while time.monotonic() < until:
             partial = _being_written(mem, after=s)
             if partial is not None:
-                pids = _trainer_pids(baton.cluster, replacement)
                 for p in pids:
                     os.kill(p, signal.SIGSTOP)
                 if (partial / "manifest.json").exists():
