@@ -69,14 +69,20 @@ importlint: venv
 
 ## All tests, including the `cluster` and `e2e` markers. pytest's exit 5 (nothing collected) fails.
 ## --durations=30: every log lists the 30 slowest tests, to see where the suite's time goes.
+## Two workers (pytest-xdist): the suite mostly waits (local clusters, trainers that sleep per
+## step), so two test files at a time keep 2 cores busy. --dist loadfile runs each file on one
+## worker, so module fixtures (a module's shared operator) stay one per module; each worker
+## that runs cluster tests starts its own local cluster (distinct ports and pod IPs).
+## PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 pytest: build
-	@rc=0; $(PY) -m pytest --durations=30 $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)"; exit 1; fi; \
 	exit $$rc
 
 ## Fast feedback: the unit tests only (no local cluster, no end-to-end runs).
 unit: venv
-	$(PY) -m pytest -m "not cluster and not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not cluster and not e2e" $(PYTEST_ARGS)
 
 ## The main job: the local spot-preemption demo (docs/demo.md). Options go in DEMO_ARGS, e.g.
 ## make demo DEMO_ARGS="--provider gke --preemptions 2"; the report lands in demo-out/.

@@ -5,8 +5,9 @@
 #
 #   tools/stress-suite.sh [-n RUNS] [-b BURNERS] [-- PYTEST_ARGS...]
 #
-# Defaults: 3 runs of every cluster-marked test (`-m cluster`) beside 1 burner (on 2 cores a
-# load average of 3-5, above what the suite itself makes). For example:
+# Defaults: 3 runs of every cluster-marked test (`-m cluster`, on two workers as `make test`
+# runs them: `-n 2 --dist loadfile`) beside 1 burner (on 2 cores a load average of 5-8, above
+# what the suite itself makes). For example:
 #   tools/stress-suite.sh -n 5 -b 2 -- tests/operator/test_recovery_cluster.py
 # Needs `make build` first (.venv/, the local cluster's binaries).
 set -euo pipefail
@@ -18,12 +19,12 @@ while [ $# -gt 0 ]; do
         -n) runs=$2; shift 2 ;;
         -b) burners=$2; shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "unknown option $1 (see $0 --help)" >&2; exit 2 ;;
     esac
 done
 args=("$@")
-[ ${#args[@]} -gt 0 ] || args=(-m cluster)
+[ ${#args[@]} -gt 0 ] || args=(-m cluster -n 2 --dist loadfile)
 py=.venv/bin/python
 [ -x "$py" ] || { echo "no .venv/: run 'make build' first" >&2; exit 2; }
 
