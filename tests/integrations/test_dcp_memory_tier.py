@@ -177,6 +177,43 @@ def test_a_dcp_loop_snapshots_promotes_and_falls_back_by_the_checkpointers_rules
         assert v["h8"] != v["h9"], "step 9 was trained past 8"
 
 
+def test_dcp_notices_without_the_memory_tier_ignore_the_fast_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # memory_tier=False (what Lightning's callback passes): the operator's variables build no
+    # tier, a snapshot already in fast_dir is not resumed from, and arguments asking for the
+    # tier are refused with the fix. One process: no rank's behaviour differs here.
+    uri, fast = tmp_path / "ck", tmp_path / "fast"
+    state = {"w": torch.arange(6, dtype=torch.float32)}
+    with BatonNotices(str(uri), fast_dir=fast, fast_every_steps=1, timeout=60) as notices:
+        assert notices.has_memory_tier
+        notices.save(state, 4)
+        state["w"] += 1
+        notices.snapshot(state, 7)
+        notices.wait()
+    assert trainer_sdk.list_steps(str(fast)) == [7]
+    monkeypatch.setenv("BATON_FAST_DIR", str(fast))
+    monkeypatch.setenv("BATON_FAST_EVERY_STEPS", "1")
+    loaded = {"w": torch.zeros(6)}
+    with BatonNotices(str(uri), memory_tier=False, timeout=60) as notices:
+        assert not notices.has_memory_tier
+        assert notices.fast_ignored == ("BATON_FAST_DIR", "BATON_FAST_EVERY_STEPS")
+        assert not notices.snapshot_due(7)
+        assert notices.resume(loaded) == 4
+        assert notices.restored.tier == "durable"
+        with pytest.raises(trainer_sdk.CheckpointError, match="leave memory_tier=True"):
+            notices.snapshot(loaded, 8)
+    assert torch.equal(loaded["w"], torch.arange(6, dtype=torch.float32))
+    monkeypatch.setenv("BATON_FAST_DIR", str(tmp_path / "never"))
+    with BatonNotices(str(uri), memory_tier=False, timeout=60) as notices:
+        assert notices.fast_ignored == ("BATON_FAST_DIR", "BATON_FAST_EVERY_STEPS")
+    assert not (tmp_path / "never").exists()  # a tier would have made its directory
+    with pytest.raises(trainer_sdk.CheckpointError, match="drop those arguments"):
+        BatonNotices(str(uri), memory_tier=False, fast_dir=fast)
+    with pytest.raises(trainer_sdk.CheckpointError, match="drop those arguments"):
+        BatonNotices(str(uri), memory_tier=False, fast_every_steps=1)
+
+
 # ------------------------- a notice too short for the durable tier: memory, then promoted
 
 HIDDEN = 1024

@@ -184,3 +184,41 @@ def test_async_periodic_saves_commit_in_lightnings_thread_and_report_it(
     _fit(tmp_path, _loader(), max_steps=3, callbacks=[callback], **args)
     assert callback.restored_step == 2
     assert latest_step(uri) == 3
+
+
+class _SeesNotices(pl.Callback):
+    """Records, once training runs, whether the Baton callback's notices have a memory tier."""
+
+    def __init__(self, baton: BatonCallback) -> None:
+        self.baton = baton
+        self.seen: list[tuple[bool, tuple[str, ...], str | None]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        notices = self.baton.notices
+        assert notices is not None
+        self.seen.append((notices.has_memory_tier, notices.fast_ignored, notices.config.fast_dir))
+
+
+def test_fast_settings_build_no_memory_tier_and_warn_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What the operator sets for spec.checkpoint.fastEverySteps: the callback takes no
+    # snapshots, so it builds no tier (the tier would create its directory) and says so once.
+    fast = tmp_path / "fast"
+    monkeypatch.setenv("BATON_FAST_DIR", str(fast))
+    monkeypatch.setenv("BATON_FAST_EVERY_STEPS", "1")
+    uri = str(tmp_path / "ckpt")
+    baton = BatonCallback(uri, every_n_steps=1)
+    sees = _SeesNotices(baton)
+    with caplog.at_level("WARNING", logger="trainer_sdk"):
+        _fit(
+            tmp_path, _loader(), enable_checkpointing=False, plugins=[BatonCheckpointIO()],
+            callbacks=[baton, sees],
+        )  # fmt: skip
+    assert sees.seen == [(False, ("BATON_FAST_DIR", "BATON_FAST_EVERY_STEPS"), None)]
+    assert not fast.exists()
+    warnings = [r.getMessage() for r in caplog.records if "fastEverySteps" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("BATON_FAST_DIR and BATON_FAST_EVERY_STEPS are set")
+    assert "unset spec.checkpoint.fastEverySteps" in warnings[0]
+    assert latest_step(uri) == 2  # the durable saves go on as without the variables

@@ -52,6 +52,12 @@ training loader. DDP's gradient bucket layout is saved in the callback's state a
 before the first step after a resume (at 3+ ranks the all-reduce's sums depend on it:
 ``trainer_sdk/_ddp.py``). Lightning does not checkpoint RNG streams: a model that draws
 random numbers (dropout) while training resumes with fresh streams, not bitwise.
+
+**No memory tier.** Nothing here takes memory-tier snapshots (Lightning's checkpoint dict is
+written by rank 0 alone), so the callback builds its ``BatonNotices`` with
+``memory_tier=False`` (no tier thread or gloo group) and, when ``$BATON_FAST_DIR`` or
+``$BATON_FAST_EVERY_STEPS`` is set (a TrainingJob's ``fastEverySteps``), logs one warning that
+the setting has no effect and how to fix that.
 """
 
 from __future__ import annotations
@@ -90,6 +96,16 @@ _OPTIONS: Final = frozenset({"trigger", "attempt", "report"})
 """The ``storage_options`` keys :meth:`BatonCheckpointIO.save_checkpoint` takes (the callback
 passes them through ``trainer.save_checkpoint``); ``report``: the write itself tells the
 sidecar it committed (an async save, whose commit only the writer thread sees)."""
+
+
+_NO_SNAPSHOTS: Final = (
+    "%s %s set (the operator sets them for a TrainingJob's spec.checkpoint.fastEverySteps), "
+    "but the Lightning integration takes no memory-tier snapshots: fastEverySteps has no effect "
+    "for this job (no snapshots, no restart in place; notices and resumes use durable steps "
+    "only): unset spec.checkpoint.fastEverySteps (and its fastSizeLimit), or save through the "
+    "Checkpointer or a DCP loop with BatonNotices.snapshot to have snapshots"
+)
+"""The warning ``BatonCallback`` logs when the memory tier's variables are set."""
 
 
 def _split(path: Any) -> tuple[str, int]:
@@ -302,8 +318,12 @@ class BatonCallback(Callback):
         notices = BatonNotices(
             where, exit_on_notice=False,  # the exit is _exit_after_notice's
             deadline_margin=self.deadline_margin, timeout=self.timeout,
+            memory_tier=False,  # nothing here snapshots: no tier thread, no gloo group for it
         )  # fmt: skip
         self.notices = notices
+        if notices.fast_ignored and trainer.local_rank == 0:  # once per pod
+            ignored = notices.fast_ignored
+            log.warning(_NO_SNAPSHOTS, " and ".join(ignored), "are" if len(ignored) > 1 else "is")
         if notices.board.sigterm is not None:
             # Off until on_train_start: Lightning installs its handler in between and puts
             # back what it found at its teardown, which must be the handler from before Baton.

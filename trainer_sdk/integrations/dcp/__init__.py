@@ -73,7 +73,10 @@ candidate, a restored snapshot that is not durable promoted in the background, a
 ``BATON_RESUME_STEP`` checked. A notice whose durable save is estimated not to end before its
 deadline while a replicated snapshot would commits to the memory tier (the ``Checkpointer``'s
 ``choose_tier``, on measured saves and snapshots), is promoted, and exits 76 once the promotion
-ended (``EXIT_RESTART_IN_PLACE``).
+ended (``EXIT_RESTART_IN_PLACE``). A caller that takes no snapshots passes
+``BatonNotices(memory_tier=False)``: no tier is built whatever the variables say, and
+``notices.fast_ignored`` names the ones that were set, for the caller's warning (Lightning's
+``BatonCallback`` does this).
 """
 
 from __future__ import annotations

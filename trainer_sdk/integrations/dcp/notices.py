@@ -46,6 +46,9 @@ from trainer_sdk.wire import (
 
 __all__ = ["BatonNotices"]
 
+_FAST_VARS = ("BATON_FAST_DIR", "BATON_FAST_EVERY_STEPS")
+"""The memory tier's variables (the operator sets both for ``spec.checkpoint.fastEverySteps``)."""
+
 log = logging.getLogger("trainer_sdk.checkpointer")
 
 
@@ -59,8 +62,12 @@ class BatonNotices:
     to ``$BATON_CHECKPOINT_URI``. ``fast_dir`` and ``fast_every_steps`` (defaults
     ``$BATON_FAST_DIR`` and ``$BATON_FAST_EVERY_STEPS``) turn on the memory tier, as for a
     ``Checkpointer`` (its process group is created here too): :meth:`snapshot`, and
-    :meth:`resume` and notices that consider it (see the package docstring). Call
-    :meth:`close` at the end (or use it as a context).
+    :meth:`resume` and notices that consider it (see the package docstring).
+    ``memory_tier=False`` says the caller takes no snapshots (Lightning's ``BatonCallback``):
+    no memory tier is built (no thread, no process group, nothing written to the fast
+    directory), ``$BATON_FAST_DIR``/``$BATON_FAST_EVERY_STEPS`` are ignored and named in
+    :attr:`fast_ignored` for the caller to warn about, and resume and notices use the durable
+    tier alone. Call :meth:`close` at the end (or use it as a context).
     """
 
     def __init__(
@@ -72,7 +79,13 @@ class BatonNotices:
         timeout: float = 600.0,
         fast_dir: str | os.PathLike[str] | None = None,
         fast_every_steps: int | None = None,
+        memory_tier: bool = True,
     ) -> None:
+        if not memory_tier and (fast_dir or fast_every_steps is not None):
+            raise CheckpointError(
+                "BatonNotices(memory_tier=False) takes no snapshots, but fast_dir= or "
+                "fast_every_steps= asks for them: drop those arguments, or leave memory_tier on"
+            )
         where = uri if uri is not None else os.environ.get("BATON_CHECKPOINT_URI")
         if where is None:
             raise CheckpointError(
@@ -80,9 +93,19 @@ class BatonNotices:
             )
         self.storage = open_storage(where)
         # The Checkpointer's settings and their checks, from the same arguments and variables
-        # (BATON_FAST_DIR, BATON_FAST_EVERY_STEPS, BATON_CONTROL_DIR), for the parts reused.
+        # (BATON_FAST_DIR, BATON_FAST_EVERY_STEPS, BATON_CONTROL_DIR), for the parts reused;
+        # without the memory tier, as if the fast variables were unset.
+        environ: dict[str, str] = dict(os.environ)
+        self.fast_ignored: tuple[str, ...] = ()
+        """The memory tier's variables set in the environment and ignored because of
+        ``memory_tier=False`` (empty otherwise): the caller's cue to warn that the job's
+        ``fastEverySteps`` has no effect."""
+        if not memory_tier:
+            self.fast_ignored = tuple(v for v in _FAST_VARS if environ.get(v, "").strip())
+            for var in _FAST_VARS:
+                environ.pop(var, None)
         self.config = CheckpointerConfig.from_env(
-            uri=self.storage.uri, deadline_margin=deadline_margin, timeout=timeout,
+            environ, uri=self.storage.uri, deadline_margin=deadline_margin, timeout=timeout,
             fast_dir=os.fspath(fast_dir) if fast_dir else None, fast_every_steps=fast_every_steps,
         )  # fmt: skip
         self.exit_on_notice = exit_on_notice
@@ -156,6 +179,11 @@ class BatonNotices:
         the root it was read from (as ``Checkpointer.restored``)."""
         return self._restorer.restored
 
+    @property
+    def has_memory_tier(self) -> bool:
+        """Whether a memory tier was built (``fast_dir`` set, ``memory_tier`` left on)."""
+        return self._engine.fast is not None
+
     def snapshot_due(self, step: int) -> bool:
         """Whether ``step`` is a memory-tier snapshot step (``step % fast_every_steps == 0``)."""
         fast = self._engine.fast
@@ -169,7 +197,7 @@ class BatonNotices:
         if self._engine.fast is None:
             raise CheckpointError(
                 "BatonNotices has no memory tier: pass fast_dir= (or set BATON_FAST_DIR, an "
-                "emptyDir with medium: Memory)"
+                "emptyDir with medium: Memory), and leave memory_tier=True"
             )
         self._engine.snapshot(step, self._prepare(state))
 
