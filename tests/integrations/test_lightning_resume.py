@@ -6,8 +6,9 @@ epochs of 6 optimizer steps, a periodic save every 4. SIGTERM to rank 1 alone mi
 sidecar's request in the control directory: every rank saves the same step and exits 75; the
 relaunch resumes mid-epoch and ends with weights, AdamW state, learning rate and every
 micro-batch loss (and the samples it was computed on) bitwise equal to a run never
-interrupted. SIGKILL of the whole job after a periodic save, twice: each relaunch resumes from
-the newest periodic save, replays exactly the steps after it, and ends bitwise equal too.
+interrupted (the sidecar's run with the memory tier's variables set: one warning, no tier).
+SIGKILL of the whole job after a periodic save, twice: each relaunch resumes from the newest
+periodic save, replays exactly the steps after it, and ends bitwise equal too.
 """
 
 from __future__ import annotations
@@ -107,10 +108,20 @@ def test_a_sidecar_request_mid_epoch_saves_that_step_on_every_rank_and_resumes_b
     run = tmp_path / "run"
     control = tmp_path / "control"
     control.mkdir()
-    code = _run(run, LT_TEST_REQUEST_AT="5", BATON_CONTROL_DIR=str(control))
+    # With the operator's memory-tier variables (fastEverySteps) set: the integration takes no
+    # snapshots, so no rank builds a tier (it would create fast_dir), one rank says so, and the
+    # notice is served on the durable tier as without them.
+    fast = tmp_path / "fast"
+    code = _run(
+        run, LT_TEST_REQUEST_AT="5", BATON_CONTROL_DIR=str(control),
+        BATON_FAST_DIR=str(fast), BATON_FAST_EVERY_STEPS="1",
+    )  # fmt: skip
     steps = sorted(int(p.name.removeprefix("step-")) for p in (run / "ckpt").glob("step-*"))
     assert steps == [4, 5], steps
     _stopped_at(run, control, code, step=5, trigger="notice")
+    log = (run / "torchrun.log").read_text(errors="replace")
+    assert log.count("fastEverySteps has no effect for this job") == 1, hf_runs.tail(run)
+    assert not fast.exists()
     assert ControlChannel(control).read_request() is None, "the served request was cleared"
     _resumes_bitwise(run, reference)
 
