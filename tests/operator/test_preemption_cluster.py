@@ -104,13 +104,22 @@ class HintRecorder:
             )
         return found + self.leftovers()
 
-    def leftovers(self) -> list[str]:
+    def leftovers(self, *, drained_node: str | None = None) -> list[str]:
         """Hints that outlived their reason: an attempt-0 pod that still carried them when last
-        seen, or a pod of a later attempt (no notice) that ever had one."""
+        seen, or a pod of a later attempt (no notice) that ever had one.
+
+        ``drained_node``: the noticed node, when no operator was alive to take its pod's hints
+        off (an operator killed during the save). A live operator takes the hints off a pod
+        once it is being deleted; a killed one cannot, and when the node remover has drained
+        the noticed node's pod and it is gone before the standby's first tick, that pod was
+        deleted carrying them. Those held nothing back: their node is the one being removed.
+        So a pod on ``drained_node`` whose last event is its deletion is not counted; every
+        other pod is, the noticed node's pod too while it exists."""
         found = []
         for pod in sorted({pod for _, pod, attempt, _, _ in self.seen if attempt == "0"}):
-            last = [h for _, name, _, _, h in self.seen if name == pod][-1]
-            if last:
+            kind, node, last = [(k, n, h) for k, name, _, n, h in self.seen if name == pod][-1]
+            drained = drained_node is not None and kind == "DELETED" and node == drained_node
+            if last and not drained:
                 found.append(f"{pod} still carried {last} when last seen")
         later = [(pod, h) for _, pod, attempt, _, h in self.seen if attempt != "0" and h]
         if later:
