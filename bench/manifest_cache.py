@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer_sdk import Checkpointer, _catalog
+from trainer_sdk import Checkpointer
+from trainer_sdk.format import _catalog
 
 
 def main() -> int:

@@ -50,7 +50,7 @@ CHUNK = 1 << 20
 _RECEIVER = textwrap.dedent(
     """
     import hashlib, os, socket, sys
-    from trainer_sdk.layout import new_hasher
+    from trainer_sdk.format.layout import new_hasher
     port_file, out_dir, algorithm, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

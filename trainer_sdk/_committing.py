@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from trainer_sdk import _catalog
 from trainer_sdk._collectives import all_gather_json, broadcast_json, group_rank_world
 from trainer_sdk._version import __version__ as _baton_version
 from trainer_sdk.errors import (
@@ -32,7 +31,8 @@ from trainer_sdk.errors import (
     StorageError,
     SupersededError,
 )
-from trainer_sdk.layout import (
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import (
     BLOCK_SIZE,
     FORMAT_VERSION,
     LATEST,

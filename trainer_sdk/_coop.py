@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk._collectives import Broadcasts, all_gather_json
-from trainer_sdk._safetensors_io import ST_TO_TORCH, byte_view
-from trainer_sdk._tree import dtensor_type
-from trainer_sdk.layout import DTYPE_SIZES, Manifest, Piece
-from trainer_sdk.planning import row_range
+from trainer_sdk.format._safetensors_io import ST_TO_TORCH, byte_view
+from trainer_sdk.format._tree import dtensor_type
+from trainer_sdk.format.layout import DTYPE_SIZES, Manifest, Piece
+from trainer_sdk.format.planning import row_range
 
 __all__ = [
     "SMALL",

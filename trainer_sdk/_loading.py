@@ -6,8 +6,8 @@ work), straight into the destination tensors, verifying a crc32 per block as it 
 cooperative load (on S3 by default), the tensors every rank needs whole (a DDP state) are first
 read once between the ranks and broadcast (:mod:`trainer_sdk._coop`, steps 1-4 there, run from
 here before the tree is decoded). The JSON tree is decoded by
-:class:`~trainer_sdk._tree.TreeDecoder`; this module resolves its tensor references. The public
-entry points are :func:`trainer_sdk.api.load` and :func:`trainer_sdk.api.iter_tensors`.
+:class:`~trainer_sdk.format._tree.TreeDecoder`; this module resolves its tensor references. The
+public entry points are :func:`trainer_sdk.api.load` and :func:`trainer_sdk.api.iter_tensors`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer_sdk import _catalog, _coop
+from trainer_sdk import _coop
 from trainer_sdk._collectives import all_gather_json
-from trainer_sdk._crc import crc32
-from trainer_sdk._safetensors_io import ST_TO_TORCH, byte_view
-from trainer_sdk._tree import TreeDecoder, as_any, dtensor_box, dtensor_type, tensor_slots
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -37,7 +34,11 @@ from trainer_sdk.errors import (
     UnreadableCheckpointError,
     UnsupportedFormatError,
 )
-from trainer_sdk.layout import (
+from trainer_sdk.format import _catalog
+from trainer_sdk.format._crc import crc32
+from trainer_sdk.format._safetensors_io import ST_TO_TORCH, byte_view
+from trainer_sdk.format._tree import TreeDecoder, as_any, dtensor_box, dtensor_type, tensor_slots
+from trainer_sdk.format.layout import (
     DTYPE_SIZES,
     MANIFEST,
     Manifest,
@@ -48,7 +49,7 @@ from trainer_sdk.layout import (
     json_name,
     new_hasher,
 )
-from trainer_sdk.planning import intersect, row_range
+from trainer_sdk.format.planning import intersect, row_range
 from trainer_sdk.storage import Storage
 
 __all__ = ["LoadInfo", "Reader", "classify_load_error", "load_step", "torch_dtype"]
@@ -292,7 +293,7 @@ def torch_dtype(code: str) -> torch.dtype:
 
 
 class _TensorRestorer:
-    """Fills the tensors a :class:`~trainer_sdk._tree.TreeDecoder` meets, from the shards."""
+    """Fills the tensors a :class:`~trainer_sdk.format._tree.TreeDecoder` meets, from the shards."""
 
     def __init__(
         self,
@@ -319,7 +320,7 @@ class _TensorRestorer:
     def _from_filled(self, key: str, want: str, done: torch.Tensor, cur: Any) -> Any:
         """``cur`` from a tensor the cooperative phase filled: the same memory in the usual
         case; a copy when ``state_dict()`` handed the decoder another tensor than it handed
-        :func:`~trainer_sdk._tree.tensor_slots`; ``done`` itself where ``cur`` is no tensor
+        :func:`~trainer_sdk.format._tree.tensor_slots`; ``done`` itself where ``cur`` is no tensor
         of the saved shape (as the plain path returns a fresh one)."""
         if isinstance(cur, torch.Tensor):
             if cur is done or (

@@ -51,7 +51,7 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk import _catalog, api
+from trainer_sdk import api
 from trainer_sdk._collectives import all_gather_json, group_rank_world
 from trainer_sdk._committing import build_manifest, check_writable, commit_manifest
 from trainer_sdk._deadline import SaveEstimator
@@ -62,7 +62,8 @@ from trainer_sdk.errors import (
     IncompleteCheckpointError,
     RankFailedError,
 )
-from trainer_sdk.layout import (
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import (
     BLOCK_SIZE,
     FILE_RE,
     FileEntry,

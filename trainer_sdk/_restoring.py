@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
-from trainer_sdk import _catalog, api
+from trainer_sdk import api
 from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk._config import env_number
 from trainer_sdk._memory_tier import RestoreInfo
@@ -30,7 +30,8 @@ from trainer_sdk._reuse import frozen_storages
 from trainer_sdk._save_engine import RankParts, SaveEngine
 from trainer_sdk._training_state import ResumeError
 from trainer_sdk.errors import CheckpointError, UnreadableCheckpointError
-from trainer_sdk.layout import FILE_RE, step_dir
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import FILE_RE, step_dir
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import Tier
 

@@ -45,7 +45,7 @@ import torch
 
 from trainer_sdk import api
 from trainer_sdk._collectives import all_gather_json
-from trainer_sdk.layout import FileEntry, Manifest, TensorEntry, ref_key
+from trainer_sdk.format.layout import FileEntry, Manifest, TensorEntry, ref_key
 
 __all__ = ["Reuse", "frozen_storages"]
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_sdk import _catalog, api
+from trainer_sdk import api
 from trainer_sdk._collectives import broadcast_json
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import SaveEstimator, probe_write
@@ -36,8 +36,9 @@ from trainer_sdk._reuse import Reuse, frozen_storages
 from trainer_sdk._status import StatusReporter
 from trainer_sdk._training_state import TrainingState
 from trainer_sdk.errors import BatonError, CheckpointError
-from trainer_sdk.layout import step_dir
-from trainer_sdk.planning import PlanCache
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import step_dir
+from trainer_sdk.format.planning import PlanCache
 from trainer_sdk.staging import AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import ROUTINE_TRIGGERS, State, Tier

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from trainer_sdk import _catalog
 from trainer_sdk._committing import (
     RankRecord,
     References,
@@ -27,11 +26,12 @@ from trainer_sdk._committing import (
     commit,
     commit_failure,
 )
-from trainer_sdk._safetensors_io import PieceSource, ShardResult, write_shard
 from trainer_sdk.errors import (
     CheckpointError,
 )
-from trainer_sdk.layout import (
+from trainer_sdk.format import _catalog
+from trainer_sdk.format._safetensors_io import PieceSource, ShardResult, write_shard
+from trainer_sdk.format.layout import (
     BLOCK_SIZE,
     FileEntry,
     Manifest,
@@ -40,7 +40,7 @@ from trainer_sdk.layout import (
     json_name,
     shard_name,
 )
-from trainer_sdk.planning import FlatState, SavePlan
+from trainer_sdk.format.planning import FlatState, SavePlan
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import SavePhase
 

@@ -3,20 +3,20 @@
 This module holds the public functions; the protocol behind them lives in one module per
 concern, each documented there:
 
-* :mod:`trainer_sdk._tree`: the tagged-JSON tree, :func:`flatten` (encoder) and its decoder;
+* :mod:`trainer_sdk.format._tree`: the tagged-JSON tree, :func:`flatten` (encoder) and its decoder;
 * :mod:`trainer_sdk._saving`: phase 3 of a save (:func:`write_rank`) and the whole save;
 * :mod:`trainer_sdk._committing`: phase 4, agree and commit (:func:`commit`);
 * :mod:`trainer_sdk._loading`: verified ranged reads into the live state;
-* :mod:`trainer_sdk._catalog`: which steps exist and are complete, deletion, fencing.
+* :mod:`trainer_sdk.format._catalog`: which steps exist and are complete, deletion, fencing.
 
 A save runs in four phases. They are separate functions so that the async writer
 (``trainer_sdk.staging``) can stage tensors on the training thread and run phases 3 and 4 in a
 background thread, on a process group of its own:
 
 1. :func:`flatten` takes the state apart (``state_dict()`` is called on Stateful objects):
-   every tensor becomes a :class:`~trainer_sdk.planning.FlatEntry` (replicated, sharded
+   every tensor becomes a :class:`~trainer_sdk.format.planning.FlatEntry` (replicated, sharded
    DTensor, or rank-local), everything else a JSON tree that refers to tensors by key.
-2. :func:`~trainer_sdk.planning.plan_save` picks this rank's pieces; deterministic, no
+2. :func:`~trainer_sdk.format.planning.plan_save` picks this rank's pieces; deterministic, no
    collective.
 3. :func:`write_rank` streams this rank's ``.safetensors`` (hashing while writing) and its
    ``.json``, and commits both; returns a :class:`RankRecord`.
@@ -39,18 +39,6 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk import _catalog
-from trainer_sdk._catalog import (
-    cleanup_incomplete,
-    complete_steps,
-    delete_step,
-    latest_step,
-    list_steps,
-    newest_attempt,
-    read_manifest,
-    register_attempt,
-    step_dirs,
-)
 from trainer_sdk._collectives import broadcast_json, group_rank_world
 from trainer_sdk._committing import (
     RankRecord,
@@ -62,10 +50,22 @@ from trainer_sdk._committing import (
 )
 from trainer_sdk._loading import LoadInfo, Reader, classify_load_error, load_step, torch_dtype
 from trainer_sdk._saving import write_and_commit, write_rank
-from trainer_sdk._tree import flatten
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.layout import Manifest, step_dir
-from trainer_sdk.planning import FlatEntry, FlatState, SavePlan, plan_save
+from trainer_sdk.format import _catalog
+from trainer_sdk.format._catalog import (
+    cleanup_incomplete,
+    complete_steps,
+    delete_step,
+    latest_step,
+    list_steps,
+    newest_attempt,
+    read_manifest,
+    register_attempt,
+    step_dirs,
+)
+from trainer_sdk.format._tree import flatten
+from trainer_sdk.format.layout import Manifest, step_dir
+from trainer_sdk.format.planning import FlatEntry, FlatState, SavePlan, plan_save
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import SavePhase, Trigger
 

@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from trainer_sdk import _catalog
 from trainer_sdk._progress import Progress
 from trainer_sdk.errors import BatonError, CheckpointError
-from trainer_sdk.layout import (
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import (
     Manifest,
     check_header_matches,
     header_length,

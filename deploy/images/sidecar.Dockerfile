@@ -4,7 +4,7 @@
 #   docker build -f deploy/images/sidecar.Dockerfile -t <registry>/baton-sidecar:0.1.0 .
 #
 # The sidecar imports only torch-free modules of the SDK (trainer_sdk.wire, trainer_sdk.control,
-# and for the memory tier's replication trainer_sdk.replication and trainer_sdk.layout), so the image
+# and for the memory tier's replication trainer_sdk.replication and trainer_sdk.format.layout), so the image
 # installs the project without its dependencies (no torch: the image stays small and starts
 # fast), then only what the sidecar imports.
 
@@ -19,7 +19,7 @@ COPY trainer_sdk/ trainer_sdk/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
 # The sidecar's runtime dependencies, the same pins as pyproject.toml's "# sidecar" group,
-# and blake3: the memory tier's replication checks shard digests (trainer_sdk.layout).
+# and blake3: the memory tier's replication checks shard digests (trainer_sdk.format.layout).
 RUN /opt/baton/bin/pip install "aiohttp>=3.9" "prometheus_client>=0.20" "blake3>=1.0" \
  && /opt/baton/bin/pip install --no-deps .
 

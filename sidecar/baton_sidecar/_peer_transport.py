@@ -26,7 +26,7 @@ from baton_sidecar._replica_store import (
     ReplicaStore,
     ReplicationError,
 )
-from trainer_sdk.layout import MANIFEST, Manifest, new_hasher, step_dir
+from trainer_sdk.format.layout import MANIFEST, Manifest, new_hasher, step_dir
 
 __all__ = ["PeerTransport"]
 

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from baton_sidecar._config import SidecarConfig
 from baton_sidecar._metrics import SidecarMetrics
-from trainer_sdk.layout import (
+from trainer_sdk.format.layout import (
     FILE_RE,
     MANIFEST,
     Manifest,

@@ -42,7 +42,7 @@ from baton_sidecar._replica_store import (
     ReplicationStats,
     digest_text,
 )
-from trainer_sdk.layout import FILE_RE, MANIFEST, Manifest, new_hasher, step_dir
+from trainer_sdk.format.layout import FILE_RE, MANIFEST, Manifest, new_hasher, step_dir
 from trainer_sdk.replication import ADVERT_FILE, Answer, source_key, write_json_atomic
 
 __all__ = ["Replicator"]

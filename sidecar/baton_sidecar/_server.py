@@ -28,7 +28,7 @@ from baton_sidecar._errors import ConfigError
 from baton_sidecar._replica_store import MAX_MANIFEST_BYTES, ReplicationError
 from baton_sidecar._replication import Replicator
 from trainer_sdk.control import ControlError, parse_rfc3339, utcnow
-from trainer_sdk.layout import MANIFEST, Hasher, new_hasher
+from trainer_sdk.format.layout import MANIFEST, Hasher, new_hasher
 
 __all__ = ["TokenFile", "create_app"]
 

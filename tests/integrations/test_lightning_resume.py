@@ -23,7 +23,7 @@ import pytest
 from baton_testing import hf_runs
 
 from trainer_sdk.control import ControlChannel
-from trainer_sdk.layout import step_dir
+from trainer_sdk.format.layout import step_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

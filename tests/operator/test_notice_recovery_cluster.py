@@ -29,7 +29,7 @@ from baton_testing import trainer
 from baton_testing.operator_harness import Baton, poll, unique
 
 import trainer_sdk
-from trainer_sdk.layout import step_dir
+from trainer_sdk.format.layout import step_dir
 
 pytestmark = pytest.mark.cluster
 

@@ -13,7 +13,7 @@ import torch
 
 from trainer_sdk import api
 from trainer_sdk.errors import CorruptCheckpointError
-from trainer_sdk.layout import file_path
+from trainer_sdk.format.layout import file_path
 from trainer_sdk.storage import open_storage
 
 BLOCK = 4096

@@ -169,7 +169,7 @@ def _load_expecting_failure(uri: str, fault: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from trainer_sdk import _coop, api
-    from trainer_sdk.layout import file_path, json_name
+    from trainer_sdk.format.layout import file_path, json_name
     from trainer_sdk.storage import open_storage
 
     _coop.SMALL = 2 * BLOCK  # type: ignore[misc]

@@ -16,7 +16,7 @@ from baton_testing.exactness import args as _args
 
 from trainer_sdk import EXIT_STOPPED_AFTER_NOTICE, api
 from trainer_sdk.control import ControlChannel, State
-from trainer_sdk.layout import MANIFEST, step_dir
+from trainer_sdk.format.layout import MANIFEST, step_dir
 
 # Real trainer processes (2 ranks, several restarts): tens of seconds each on 2 cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]

@@ -22,7 +22,7 @@ from baton_testing.dist import start_ranks
 import trainer_sdk
 from trainer_sdk import RankLocal
 from trainer_sdk.errors import CorruptCheckpointError, ManifestError
-from trainer_sdk.layout import MAX_HEADER_BYTES, parse_safetensors_header
+from trainer_sdk.format.layout import MAX_HEADER_BYTES, parse_safetensors_header
 
 STEP1 = "step-000000000001"
 STEP2 = "step-000000000002"

@@ -17,7 +17,7 @@ from blake3 import blake3
 
 import trainer_sdk
 from trainer_sdk.errors import ManifestError
-from trainer_sdk.layout import MANIFEST, PLAIN_VERSION, Manifest
+from trainer_sdk.format.layout import MANIFEST, PLAIN_VERSION, Manifest
 
 _STEP = "step-000000000007"
 _SHARD = "rank-00000-of-00001.safetensors"

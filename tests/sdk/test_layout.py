@@ -10,7 +10,7 @@ import torch
 
 from trainer_sdk.api import flatten
 from trainer_sdk.errors import ManifestError, UnsupportedFormatError
-from trainer_sdk.layout import (
+from trainer_sdk.format.layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
     Manifest,
@@ -19,7 +19,7 @@ from trainer_sdk.layout import (
     parse_step_dir,
     step_dir,
 )
-from trainer_sdk.planning import FlatEntry, FlatState, intersect, plan_save, row_range
+from trainer_sdk.format.planning import FlatEntry, FlatState, intersect, plan_save, row_range
 
 
 def test_names() -> None:

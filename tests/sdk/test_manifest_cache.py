@@ -21,9 +21,10 @@ from baton_testing.s3 import FaultProxy, S3Bucket
 from baton_testing.storage_wrapper import StorageWrapper
 from torch import nn
 
-from trainer_sdk import Checkpointer, _catalog, api
-from trainer_sdk._catalog import complete_steps, manifest_key, read_manifest
+from trainer_sdk import Checkpointer, api
 from trainer_sdk.errors import IncompleteCheckpointError, ManifestError
+from trainer_sdk.format import _catalog
+from trainer_sdk.format._catalog import complete_steps, manifest_key, read_manifest
 from trainer_sdk.storage import open_storage
 from trainer_sdk.storage._s3_client import make_client
 from trainer_sdk.storage.local import LocalStorage

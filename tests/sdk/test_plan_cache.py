@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trainer_sdk import api
-from trainer_sdk.planning import PlanCache, plan_save
+from trainer_sdk.format.planning import PlanCache, plan_save
 
 
 def _flat(state: dict[str, torch.Tensor]) -> api.FlatState:

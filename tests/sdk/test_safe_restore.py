@@ -37,7 +37,7 @@ from trainer_sdk.errors import (
     ManifestError,
     UnsupportedFormatError,
 )
-from trainer_sdk.layout import FORMAT_VERSION
+from trainer_sdk.format.layout import FORMAT_VERSION
 
 STEP1, STEP2 = "step-000000000001", "step-000000000002"
 

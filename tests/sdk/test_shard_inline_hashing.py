@@ -13,7 +13,7 @@ import torch
 from blake3 import blake3
 
 from trainer_sdk import Checkpointer
-from trainer_sdk._safetensors_io import INLINE_BYTES, PieceSource, st_dtype, write_shard
+from trainer_sdk.format._safetensors_io import INLINE_BYTES, PieceSource, st_dtype, write_shard
 
 
 class _Recorder:

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_sdk._tree import TreeDecoder, flatten
 from trainer_sdk._types import RankLocal
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.planning import FlatState
+from trainer_sdk.format._tree import TreeDecoder, flatten
+from trainer_sdk.format.planning import FlatState
 
 
 class Counter:

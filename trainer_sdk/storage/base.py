@@ -27,7 +27,7 @@ manifest read that misses the cache then costs one HEAD and one GET on S3, not t
 and a GET; without it the cache reads ``size``, ``read_bytes`` and ``version`` again.
 
 Paths are ``str`` keys relative to the storage root, with ``/`` separators, never absolute and
-never containing ``..``; ``trainer_sdk.layout`` validates them before they get here.
+never containing ``..``; ``trainer_sdk.format.layout`` validates them before they get here.
 """
 
 from __future__ import annotations

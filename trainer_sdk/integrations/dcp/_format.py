@@ -7,8 +7,8 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, Final
 
-from trainer_sdk._tree import TreeDecoder, flatten
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format._tree import TreeDecoder, flatten
 
 EXTRA_KEY: Final = "dcp"
 """Where the manifest's ``extra`` keeps what DCP's planner recorded (its flatten mappings)."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver as dcp_save
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from trainer_sdk import _catalog, api
+from trainer_sdk import api
 from trainer_sdk._collectives import all_reduce_max, broadcast_json, release_group
 from trainer_sdk._config import CheckpointerConfig, env_number
 from trainer_sdk._deadline import choose_tier, deadline_scope
@@ -23,10 +23,11 @@ from trainer_sdk._notices import announce_notice
 from trainer_sdk._status import StatusReporter
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format import _catalog
+from trainer_sdk.format.layout import step_dir
+from trainer_sdk.format.planning import PlanCache
 from trainer_sdk.integrations.dcp._tiers import build_engine
 from trainer_sdk.integrations.dcp.writer import BatonWriter
-from trainer_sdk.layout import step_dir
-from trainer_sdk.planning import PlanCache
 from trainer_sdk.signals import (
     Agreement,
     ControlPoller,

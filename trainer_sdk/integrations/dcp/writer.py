@@ -26,22 +26,22 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from trainer_sdk._committing import build_manifest, check_writable, commit_built_manifest
-from trainer_sdk._safetensors_io import PieceSource, st_dtype
 from trainer_sdk._saving import write_shard_file
-from trainer_sdk._tree import TENSOR
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.integrations.dcp._format import (
-    EXTRA_KEY,
-    encode_value,
-    json_planner_data,
-    sha256_hex,
-)
-from trainer_sdk.layout import (
+from trainer_sdk.format._safetensors_io import PieceSource, st_dtype
+from trainer_sdk.format._tree import TENSOR
+from trainer_sdk.format.layout import (
     BLOCK_SIZE,
     FileEntry,
     file_path,
     json_name,
     step_dir,
+)
+from trainer_sdk.integrations.dcp._format import (
+    EXTRA_KEY,
+    encode_value,
+    json_planner_data,
+    sha256_hex,
 )
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import Trigger

@@ -40,7 +40,7 @@ from trainer_sdk.errors import (
     SupersededError,
     UnreadableCheckpointError,
 )
-from trainer_sdk.layout import (
+from trainer_sdk.format.layout import (
     LATEST,
     MANIFEST,
     MAX_JSON_BYTES,

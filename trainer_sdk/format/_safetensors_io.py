@@ -27,8 +27,8 @@ from typing import Final
 import torch
 from blake3 import blake3
 
-from trainer_sdk._crc import crc32
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format._crc import crc32
 from trainer_sdk.storage.base import Writer
 
 __all__ = [

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk.layout import DTYPE_SIZES, Kind
+from trainer_sdk.format.layout import DTYPE_SIZES, Kind
 
 __all__ = [
     "SPLIT_BYTES",

@@ -2,7 +2,7 @@
 
 A state is a dict of tensors, Stateful objects, dicts, lists, tuples and JSON values.
 :func:`flatten` (the encoder, phase 1 of a save) takes it apart: every tensor becomes a
-:class:`~trainer_sdk.planning.FlatEntry` keyed by its dotted path, and everything else a JSON
+:class:`~trainer_sdk.format.planning.FlatEntry` keyed by its dotted path, and everything else a JSON
 tree in which a tensor is the reference ``{"__baton_tensor__": key}``. :class:`TreeDecoder`
 (used by a load) walks the saved tree and the live state together and rebuilds the values.
 
@@ -28,11 +28,11 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk._safetensors_io import st_dtype
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import CheckpointError, ManifestError
-from trainer_sdk.layout import Kind
-from trainer_sdk.planning import FlatEntry, FlatState
+from trainer_sdk.format._safetensors_io import st_dtype
+from trainer_sdk.format.layout import Kind
+from trainer_sdk.format.planning import FlatEntry, FlatState
 
 __all__ = ["TreeDecoder", "as_any", "dtensor_box", "dtensor_type", "flatten", "tensor_slots"]
 
