@@ -53,9 +53,7 @@ import torch
 
 from trainer_sdk import api
 from trainer_sdk._collectives import all_gather_json, group_rank_world
-from trainer_sdk._committing import build_manifest, check_writable, commit_manifest
 from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._saving import write_rank
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -74,6 +72,8 @@ from trainer_sdk.format.layout import (
     step_dir,
 )
 from trainer_sdk.replication import FILL, REPLICATE, SidecarLink
+from trainer_sdk.saveload._committing import build_manifest, check_writable, commit_manifest
+from trainer_sdk.saveload._saving import write_rank
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
 from trainer_sdk.storage import Location, Storage, open_storage
 

@@ -19,10 +19,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sdk import _ddp, rng
-from trainer_sdk._loading import LoadInfo
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.sampler import find_sampler
+from trainer_sdk.saveload._loading import LoadInfo
 
 __all__ = ["ResumeError", "TrainingState"]
 

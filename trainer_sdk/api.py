@@ -4,9 +4,9 @@ This module holds the public functions; the protocol behind them lives in one mo
 concern, each documented there:
 
 * :mod:`trainer_sdk.format._tree`: the tagged-JSON tree, :func:`flatten` (encoder) and its decoder;
-* :mod:`trainer_sdk._saving`: phase 3 of a save (:func:`write_rank`) and the whole save;
-* :mod:`trainer_sdk._committing`: phase 4, agree and commit (:func:`commit`);
-* :mod:`trainer_sdk._loading`: verified ranged reads into the live state;
+* :mod:`trainer_sdk.saveload._saving`: phase 3 of a save (:func:`write_rank`) and the whole save;
+* :mod:`trainer_sdk.saveload._committing`: phase 4, agree and commit (:func:`commit`);
+* :mod:`trainer_sdk.saveload._loading`: verified ranged reads into the live state;
 * :mod:`trainer_sdk.format._catalog`: which steps exist and are complete, deletion, fencing.
 
 A save runs in four phases. They are separate functions so that the async writer
@@ -40,16 +40,6 @@ from typing import Any, Final
 import torch
 
 from trainer_sdk._collectives import broadcast_json, group_rank_world
-from trainer_sdk._committing import (
-    RankRecord,
-    References,
-    SaveInfo,
-    check_writable,
-    commit,
-    commit_failure,
-)
-from trainer_sdk._loading import LoadInfo, Reader, classify_load_error, load_step, torch_dtype
-from trainer_sdk._saving import write_and_commit, write_rank
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format._catalog import (
@@ -66,6 +56,22 @@ from trainer_sdk.format._catalog import (
 from trainer_sdk.format._tree import flatten
 from trainer_sdk.format.layout import Manifest, step_dir
 from trainer_sdk.format.planning import FlatEntry, FlatState, SavePlan, plan_save
+from trainer_sdk.saveload._committing import (
+    RankRecord,
+    References,
+    SaveInfo,
+    check_writable,
+    commit,
+    commit_failure,
+)
+from trainer_sdk.saveload._loading import (
+    LoadInfo,
+    Reader,
+    classify_load_error,
+    load_step,
+    torch_dtype,
+)
+from trainer_sdk.saveload._saving import write_and_commit, write_rank
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import SavePhase, Trigger
 

@@ -315,7 +315,7 @@ def stage_and_commit(
     Every rank of the saver's group calls it at the same step. ``on_commit(info, rank_bytes)``
     runs on the worker thread after the manifest is written (retention, status).
     ``attempt``, ``extra``, ``references`` and ``on_manifest`` go to
-    :func:`~trainer_sdk._saving.write_and_commit`.
+    :func:`~trainer_sdk.saveload._saving.write_and_commit`.
     """
     t0 = time.perf_counter()
     live = flat.tensors()

@@ -116,7 +116,8 @@ def _save_and_load(uri: str, mixed: bool, cooperative: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from baton_testing.counting import CountingStorage
 
-    from trainer_sdk import _coop, api
+    from trainer_sdk import api
+    from trainer_sdk.saveload import _coop
 
     _coop.SMALL = 2 * BLOCK  # type: ignore[misc]  # exercise the large-unit path too
     _save(uri, mixed)
@@ -168,8 +169,9 @@ def test_three_ranks_restore_bitwise_reading_each_byte_once(tmp_path: Path, mixe
 def _load_expecting_failure(uri: str, fault: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from trainer_sdk import _coop, api
+    from trainer_sdk import api
     from trainer_sdk.format.layout import file_path, json_name
+    from trainer_sdk.saveload import _coop
     from trainer_sdk.storage import open_storage
 
     _coop.SMALL = 2 * BLOCK  # type: ignore[misc]

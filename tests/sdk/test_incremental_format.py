@@ -17,13 +17,13 @@ from baton_testing.s3 import S3Bucket
 from torch import nn
 
 import trainer_sdk
-from trainer_sdk import _committing
 from trainer_sdk.api import read_manifest
 from trainer_sdk.checkpointer import Checkpointer
 from trainer_sdk.cli import main as cli
 from trainer_sdk.errors import CheckpointError, ManifestError, UnsupportedFormatError
 from trainer_sdk.format import layout
 from trainer_sdk.format.layout import Manifest
+from trainer_sdk.saveload import _committing
 from trainer_sdk.storage import open_storage
 
 

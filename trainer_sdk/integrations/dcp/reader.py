@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from trainer_sdk._loading import Reader, torch_dtype
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format._tree import DICT, RESERVED, TENSOR
 from trainer_sdk.format.layout import Manifest
 from trainer_sdk.integrations.dcp._format import EXTRA_KEY, decode_value
+from trainer_sdk.saveload._loading import Reader, torch_dtype
 from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = ["BatonLoadPlanner", "BatonReader"]

@@ -25,8 +25,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from trainer_sdk._committing import build_manifest, check_writable, commit_built_manifest
-from trainer_sdk._saving import write_shard_file
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format._safetensors_io import PieceSource, st_dtype
 from trainer_sdk.format._tree import TENSOR
@@ -43,6 +41,8 @@ from trainer_sdk.integrations.dcp._format import (
     json_planner_data,
     sha256_hex,
 )
+from trainer_sdk.saveload._committing import build_manifest, check_writable, commit_built_manifest
+from trainer_sdk.saveload._saving import write_shard_file
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import Trigger
 

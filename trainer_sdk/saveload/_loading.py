@@ -4,8 +4,8 @@ A load reads the manifest of a complete step, then, for every tensor in the stat
 byte ranges that overlap what this rank holds (which is what makes a change of world size
 work), straight into the destination tensors, verifying a crc32 per block as it goes. In a
 cooperative load (on S3 by default), the tensors every rank needs whole (a DDP state) are first
-read once between the ranks and broadcast (:mod:`trainer_sdk._coop`, steps 1-4 there, run from
-here before the tree is decoded). The JSON tree is decoded by
+read once between the ranks and broadcast (:mod:`trainer_sdk.saveload._coop`, steps 1-4 there, run
+from here before the tree is decoded). The JSON tree is decoded by
 :class:`~trainer_sdk.format._tree.TreeDecoder`; this module resolves its tensor references. The
 public entry points are :func:`trainer_sdk.api.load` and :func:`trainer_sdk.api.iter_tensors`.
 """
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from trainer_sdk import _coop
 from trainer_sdk._collectives import all_gather_json
 from trainer_sdk.errors import (
     CheckpointError,
@@ -50,6 +49,7 @@ from trainer_sdk.format.layout import (
     new_hasher,
 )
 from trainer_sdk.format.planning import intersect, row_range
+from trainer_sdk.saveload import _coop
 from trainer_sdk.storage import Storage
 
 __all__ = ["LoadInfo", "Reader", "classify_load_error", "load_step", "torch_dtype"]
@@ -419,7 +419,7 @@ def load_step(
     whether every other one succeeded, and raises the first failing rank's error if not (so
     that all of them can fall back to an older step together). ``started`` is the
     ``time.perf_counter()`` at which the load began. ``cooperative``: read what every rank
-    needs whole once between the ranks and broadcast it (:mod:`trainer_sdk._coop`); only
+    needs whole once between the ranks and broadcast it (:mod:`trainer_sdk.saveload._coop`); only
     with a group of more than one rank that can broadcast CPU tensors."""
     err: BaseException | None = None
     info: LoadInfo | None = None

@@ -1,9 +1,9 @@
 """Phase 3 of a save: write this rank's files; and a whole save, phases 3 and 4 together.
 
 :func:`write_rank` streams this rank's ``.safetensors`` (hashing while writing) and its
-``.json``, and commits both; it returns a :class:`~trainer_sdk._committing.RankRecord`.
-:func:`write_and_commit` runs the write and the commit (:mod:`trainer_sdk._committing`) with
-the rules every saver needs (``api.save``, the async writer in :mod:`trainer_sdk.staging`,
+``.json``, and commits both; it returns a :class:`~trainer_sdk.saveload._committing.RankRecord`.
+:func:`write_and_commit` runs the write and the commit (:mod:`trainer_sdk.saveload._committing`)
+with the rules every saver needs (``api.save``, the async writer in :mod:`trainer_sdk.staging`,
 the Checkpointer). The public entry point is :func:`trainer_sdk.api.save`.
 """
 
@@ -18,14 +18,6 @@ from typing import Any
 
 import torch
 
-from trainer_sdk._committing import (
-    RankRecord,
-    References,
-    SaveInfo,
-    check_writable,
-    commit,
-    commit_failure,
-)
 from trainer_sdk.errors import (
     CheckpointError,
 )
@@ -41,6 +33,14 @@ from trainer_sdk.format.layout import (
     shard_name,
 )
 from trainer_sdk.format.planning import FlatState, SavePlan
+from trainer_sdk.saveload._committing import (
+    RankRecord,
+    References,
+    SaveInfo,
+    check_writable,
+    commit,
+    commit_failure,
+)
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import SavePhase
 

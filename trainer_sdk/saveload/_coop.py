@@ -6,7 +6,7 @@ bandwidth. Here each tensor that every rank needs whole is read (and verified, a
 block, exactly as a plain load does) by one rank, its *reader*, and sent to the others over the
 process group. Storage sees each byte once.
 
-Who does what, on every rank, in the same order (:func:`trainer_sdk._loading.load_step`):
+Who does what, on every rank, in the same order (:func:`trainer_sdk.saveload._loading.load_step`):
 
 1. :func:`candidates`: from the manifest (the same on every rank) and the live state, the
    tensors this rank needs whole: a plain (non-DTensor) destination of the saved shape and

@@ -1,4 +1,4 @@
-"""Phase 4 of a save: agree, then commit (see :mod:`trainer_sdk._saving` for phase 3).
+"""Phase 4 of a save: agree, then commit (see :mod:`trainer_sdk.saveload._saving` for phase 3).
 
 :func:`commit` gathers every rank's :class:`RankRecord` (JSON over uint8 tensors, never
 pickle, bounded wait), and if and only if every rank succeeded, rank 0 builds the manifest
