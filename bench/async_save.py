@@ -202,7 +202,7 @@ def _collective_worker(out: str) -> None:
     import torch.distributed as dist
 
     from trainer_sdk import Checkpointer
-    from trainer_sdk.signals import LocalNotice, agree
+    from trainer_sdk.loop.signals import LocalNotice, agree
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from trainer_sdk._version import __version__
 
 if TYPE_CHECKING:
-    from trainer_sdk._memory_tier import promote as promote
     from trainer_sdk._types import RankLocal as RankLocal
     from trainer_sdk._types import Stateful as Stateful
     from trainer_sdk.api import LoadInfo as LoadInfo
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from trainer_sdk.errors import UnsupportedFormatError as UnsupportedFormatError
     from trainer_sdk.hf import export_hf as export_hf
     from trainer_sdk.hf import export_peft_adapter as export_peft_adapter
+    from trainer_sdk.loop._memory_tier import promote as promote
     from trainer_sdk.sampler import ResumableSampler as ResumableSampler
     from trainer_sdk.staging import AsyncSaveHandle as AsyncSaveHandle
     from trainer_sdk.staging import async_save as async_save
@@ -83,7 +83,7 @@ _LAZY: dict[str, str] = {
     "UnsupportedFormatError": "errors",
     "EXIT_RESTART_IN_PLACE": "wire",
     "EXIT_STOPPED_AFTER_NOTICE": "wire",
-    "promote": "_memory_tier",
+    "promote": "loop._memory_tier",
     "RestoreInfo": "checkpointer",
 }
 

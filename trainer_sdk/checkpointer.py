@@ -47,18 +47,18 @@ import torch.distributed as dist
 
 from trainer_sdk import api
 from trainer_sdk._collectives import backend_timeout, release_group
-from trainer_sdk._config import CheckpointerConfig, env_number
-from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._memory_tier import MemoryTier, RestoreInfo
-from trainer_sdk._notices import NoticeServer
-from trainer_sdk._restoring import Restorer
-from trainer_sdk._reuse import Reuse
-from trainer_sdk._save_engine import RankParts, SaveEngine
-from trainer_sdk._status import StatusReporter
-from trainer_sdk._training_state import ResumeError, TrainingState
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.signals import (
+from trainer_sdk.loop._config import CheckpointerConfig, env_number
+from trainer_sdk.loop._deadline import SaveEstimator
+from trainer_sdk.loop._memory_tier import MemoryTier, RestoreInfo
+from trainer_sdk.loop._notices import NoticeServer
+from trainer_sdk.loop._restoring import Restorer
+from trainer_sdk.loop._reuse import Reuse
+from trainer_sdk.loop._save_engine import RankParts, SaveEngine
+from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.loop._training_state import ResumeError, TrainingState
+from trainer_sdk.loop.signals import (
     Agreement,
     ControlPoller,
     LocalNotice,
@@ -92,8 +92,9 @@ class Checkpointer:
 
     Why one class of this size: it is the public face of the SDK (the constructor's options,
     ``step``, ``save``, ``restore``, ``wait``, ``close`` and the properties), each with its
-    argument checks and documentation; the work is in :class:`~trainer_sdk._save_engine.SaveEngine`,
-    :class:`~trainer_sdk._restoring.Restorer`, the memory tier and the notice server.
+    argument checks and documentation; the work is in
+    :class:`~trainer_sdk.loop._save_engine.SaveEngine`,
+    :class:`~trainer_sdk.loop._restoring.Restorer`, the memory tier and the notice server.
     """
 
     def __init__(

@@ -15,7 +15,7 @@ import pytest
 from baton_operator.pure import crd
 from celpy.adapter import json_to_cel
 
-from trainer_sdk._config import CheckpointerConfig
+from trainer_sdk.loop._config import CheckpointerConfig
 
 
 def _schema() -> dict[str, Any]:

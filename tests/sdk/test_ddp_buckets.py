@@ -1,5 +1,5 @@
 """DDP's gradient bucket layout, read from a trained DDP model and put back into a fresh one
-(``trainer_sdk/_ddp.py``), on 3 gloo ranks where the order of a sum shows.
+(``trainer_sdk/loop/_ddp.py``), on 3 gloo ranks where the order of a sum shows.
 
 The core fact, measured here on real processes: the first iteration of a freshly built DDP
 sums the same gradients to other last bits than a DDP that has rebuilt its buckets, and
@@ -43,7 +43,7 @@ def _body() -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-    from trainer_sdk._ddp import BucketLayoutError, apply_bucket_layout, bucket_layout
+    from trainer_sdk.loop._ddp import BucketLayoutError, apply_bucket_layout, bucket_layout
 
     torch.use_deterministic_algorithms(True)
     rank = dist.get_rank()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from baton_testing.dist import run_ranks
 
-from trainer_sdk._deadline import SaveEstimator, probe_write
 from trainer_sdk.control import ControlChannel
-from trainer_sdk.signals import (
+from trainer_sdk.loop._deadline import SaveEstimator, probe_write
+from trainer_sdk.loop.signals import (
     ControlPoller,
     LocalNotice,
     NoticeBoard,

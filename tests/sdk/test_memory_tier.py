@@ -26,8 +26,8 @@ from baton_testing.dist import start_ranks
 from baton_testing.s3 import S3Bucket
 
 import trainer_sdk
-from trainer_sdk._memory_tier import complete_steps
 from trainer_sdk.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from trainer_sdk.loop._memory_tier import complete_steps
 from trainer_sdk.storage import open_storage
 
 STEP_PREFIX = "step-"

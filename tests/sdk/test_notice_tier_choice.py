@@ -17,8 +17,8 @@ import torch
 from baton_testing.dist import run_ranks
 
 from trainer_sdk import api
-from trainer_sdk._deadline import SaveEstimator, choose_tier
-from trainer_sdk._memory_tier import MemoryTier
+from trainer_sdk.loop._deadline import SaveEstimator, choose_tier
+from trainer_sdk.loop._memory_tier import MemoryTier
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def _slow_rank_body(slow_rank: int) -> list[object]:
     import torch.distributed as dist
 
     from trainer_sdk._collectives import all_reduce_max
-    from trainer_sdk._deadline import choose_tier
+    from trainer_sdk.loop._deadline import choose_tier
 
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer_sdk import _status
-from trainer_sdk._status import HEARTBEAT_EVERY_S, StatusReporter
 from trainer_sdk.control import ControlChannel, Status
+from trainer_sdk.loop import _status
+from trainer_sdk.loop._status import HEARTBEAT_EVERY_S, StatusReporter
 
 
 class _Clock:

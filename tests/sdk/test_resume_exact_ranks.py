@@ -5,7 +5,7 @@ scheduler, scaler and sampler state are bitwise equal to an uninterrupted run.
 With two ranks a gradient sum ``a + b`` is the same in either order, so only three or more
 ranks show a reduction whose order changed across a resume. DDP reduces its first iteration
 after construction with its initial bucket layout and only then rebuilds the buckets in
-gradient-ready order; without ``trainer_sdk/_ddp.py`` the first step after every resume was
+gradient-ready order; without ``trainer_sdk/loop/_ddp.py`` the first step after every resume was
 summed in other positions than the uninterrupted run's, and the runs drifted apart by a last
 bit a few steps later. The trainer is ``baton_testing.trainer``.
 

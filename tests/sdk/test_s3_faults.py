@@ -16,8 +16,8 @@ import torch
 from baton_testing.s3 import Fault, FaultProxy, S3Bucket
 
 import trainer_sdk
-from trainer_sdk._deadline import deadline_scope
 from trainer_sdk.errors import BatonError, StorageError
+from trainer_sdk.loop._deadline import deadline_scope
 from trainer_sdk.storage import _save_deadline
 from trainer_sdk.storage._s3_retry import DeadlineError
 from trainer_sdk.storage.s3 import MiB, S3Config, S3Storage

@@ -33,7 +33,7 @@ below were read from its source):
 ``dist.broadcast`` inside the signal handler, which hangs when only one rank got the signal,
 and its loops then raise ``SIGTERMException`` at a step no other rank agreed on. At
 ``on_train_start`` the callback puts Baton's handler back alone
-(:meth:`~trainer_sdk.signals.SigtermListener.reclaim`): Lightning's flag is never set, its
+(:meth:`~trainer_sdk.loop.signals.SigtermListener.reclaim`): Lightning's flag is never set, its
 per-batch broadcast of the flag stays 0. Baton's handler is off from the callback's ``setup``
 until then, so that the handler Lightning records and puts back at its teardown is the one from
 before Baton (a SIGTERM during the restore stops the process: there is nothing new to save).
@@ -50,7 +50,7 @@ given), same world size and batch size. Refused: a loader without a ``BatchSampl
 (``batch_size=None``, a custom ``batch_sampler``), an ``IterableDataset``, more than one
 training loader. DDP's gradient bucket layout is saved in the callback's state and put back
 before the first step after a resume (at 3+ ranks the all-reduce's sums depend on it:
-``trainer_sdk/_ddp.py``). Lightning does not checkpoint RNG streams: a model that draws
+``trainer_sdk/loop/_ddp.py``). Lightning does not checkpoint RNG streams: a model that draws
 random numbers (dropout) while training resumes with fresh streams, not bitwise.
 
 **No memory tier.** Nothing here takes memory-tier snapshots (Lightning's checkpoint dict is
@@ -79,14 +79,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from trainer_sdk import _ddp, api
+from trainer_sdk import api
 from trainer_sdk._collectives import all_reduce_max, broadcast_json
-from trainer_sdk._config import env_number
-from trainer_sdk._status import StatusReporter
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import parse_step_dir, step_dir
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.integrations.dcp.notices import BatonNotices
+from trainer_sdk.loop import _ddp
+from trainer_sdk.loop._config import env_number
+from trainer_sdk.loop._status import StatusReporter
 from trainer_sdk.wire import EXIT_STOPPED_AFTER_NOTICE, State, Tier, Trigger
 
 __all__ = ["BatonCallback", "BatonCheckpointIO"]
@@ -503,7 +504,7 @@ class BatonCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         epoch, batches = self._position
         # DDP's gradient bucket layout: with 3+ ranks the all-reduce's sums depend on it, and a
-        # resumed DDP would reduce its first step with the initial one (trainer_sdk/_ddp.py).
+        # resumed DDP would reduce its first step with the initial one (trainer_sdk/loop/_ddp.py).
         return {"epoch": epoch, "batches": batches, "ddp_buckets": self._buckets}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -82,7 +82,7 @@ class SaveInfo:
 @dataclass(frozen=True, kw_only=True)
 class References:
     """Tensors a save does not write but references in earlier steps (format v3): the same
-    on every rank (agreed before planning, see :mod:`trainer_sdk._reuse`)."""
+    on every rank (agreed before planning, see :mod:`trainer_sdk.loop._reuse`)."""
 
     files: Mapping[str, FileEntry]
     """``ref_key(S, name)`` -> the entry step S committed for that shard, with ``step=S``."""

@@ -1,13 +1,13 @@
 """``BatonNotices``' two tiers: the Checkpointer's own save engine and restorer, with ``dcp.load``.
 
 A DCP loop gets the memory tier the way a ``Checkpointer`` does (``docs/checkpointer.md``, "The
-memory tier"), from the same parts rather than a copy of them: :class:`~trainer_sdk._memory_tier.
-MemoryTier` writes, commits, replicates and promotes the snapshots, the
-:class:`~trainer_sdk._save_engine.SaveEngine` drives it (the attempt, the promotion and what
-follows it), and the :class:`~trainer_sdk._restoring.Restorer` chooses the step (the newest
-every rank can load, of either tier, with its fallbacks). The one thing that differs is how a
-step is loaded: through ``dcp.load`` with a :class:`BatonReader`, so that DCP's planners
-reshard as they do for a durable step. A snapshot holds the state the loop hands
+memory tier"), from the same parts rather than a copy of them:
+:class:`~trainer_sdk.loop._memory_tier. MemoryTier` writes, commits, replicates and promotes the
+snapshots, the :class:`~trainer_sdk.loop._save_engine.SaveEngine` drives it (the attempt, the
+promotion and what follows it), and the :class:`~trainer_sdk.loop._restoring.Restorer` chooses the
+step (the newest every rank can load, of either tier, with its fallbacks). The one thing that
+differs is how a step is loaded: through ``dcp.load`` with a :class:`BatonReader`, so that DCP's
+planners reshard as they do for a durable step. A snapshot holds the state the loop hands
 :meth:`BatonNotices.snapshot`, flattened by Baton (its tensor keys are DCP's dotted names), so
 ``BatonReader`` reads it like any Baton step.
 """
@@ -20,15 +20,15 @@ from torch.distributed.checkpoint import state_dict_loader as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from trainer_sdk._config import CheckpointerConfig
-from trainer_sdk._deadline import SaveEstimator
-from trainer_sdk._memory_tier import MemoryTier
-from trainer_sdk._restoring import Restorer
-from trainer_sdk._reuse import Reuse
-from trainer_sdk._save_engine import RankParts, SaveEngine
-from trainer_sdk._status import StatusReporter
-from trainer_sdk._training_state import TrainingState
 from trainer_sdk.integrations.dcp.reader import BatonLoadPlanner, BatonReader
+from trainer_sdk.loop._config import CheckpointerConfig
+from trainer_sdk.loop._deadline import SaveEstimator
+from trainer_sdk.loop._memory_tier import MemoryTier
+from trainer_sdk.loop._restoring import Restorer
+from trainer_sdk.loop._reuse import Reuse
+from trainer_sdk.loop._save_engine import RankParts, SaveEngine
+from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.loop._training_state import TrainingState
 from trainer_sdk.storage import Storage
 
 __all__ = ["DcpRestorer", "build_engine"]

@@ -16,11 +16,6 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from trainer_sdk import api
 from trainer_sdk._collectives import all_reduce_max, broadcast_json, release_group
-from trainer_sdk._config import CheckpointerConfig, env_number
-from trainer_sdk._deadline import choose_tier, deadline_scope
-from trainer_sdk._memory_tier import RestoreInfo
-from trainer_sdk._notices import announce_notice
-from trainer_sdk._status import StatusReporter
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format import _catalog
@@ -28,7 +23,12 @@ from trainer_sdk.format.layout import step_dir
 from trainer_sdk.format.planning import PlanCache
 from trainer_sdk.integrations.dcp._tiers import build_engine
 from trainer_sdk.integrations.dcp.writer import BatonWriter
-from trainer_sdk.signals import (
+from trainer_sdk.loop._config import CheckpointerConfig, env_number
+from trainer_sdk.loop._deadline import choose_tier, deadline_scope
+from trainer_sdk.loop._memory_tier import RestoreInfo
+from trainer_sdk.loop._notices import announce_notice
+from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.loop.signals import (
     Agreement,
     ControlPoller,
     LocalNotice,

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer_sdk import _ddp, rng
+from trainer_sdk import rng
 from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.loop import _ddp
 from trainer_sdk.sampler import find_sampler
 from trainer_sdk.saveload._loading import LoadInfo
 
@@ -172,7 +173,7 @@ class TrainingState:
                 set_model_state_dict(self.model, state["model"])
         if self.model is not None and meta.get("ddp_buckets"):
             # The first step after the resume must sum gradients in the same bucket positions
-            # as the uninterrupted run did at that step (see trainer_sdk/_ddp.py).
+            # as the uninterrupted run did at that step (see trainer_sdk/loop/_ddp.py).
             _ddp.apply_bucket_layout(self.model, meta["ddp_buckets"])
         # RNG last: nothing after this may draw random numbers before training resumes.
         if any(p == "rng" or p.startswith("rng.") for p in info.missing_rank_local):

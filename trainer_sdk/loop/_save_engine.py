@@ -1,8 +1,8 @@
 """The Checkpointer's save engine: every way a step of the training state gets written.
 
 The :class:`~trainer_sdk.checkpointer.Checkpointer` decides *when* (its policies and the notice
-agreement), :class:`~trainer_sdk._notices.NoticeServer` serves a notice and
-:class:`~trainer_sdk._restoring.Restorer` loads a step; :class:`SaveEngine` does the writing
+agreement), :class:`~trainer_sdk.loop._notices.NoticeServer` serves a notice and
+:class:`~trainer_sdk.loop._restoring.Restorer` loads a step; :class:`SaveEngine` does the writing
 for all three: flatten and plan a step (``prepare``, with incremental references), a durable
 save in the foreground or the background (``save``), a memory-tier snapshot (``snapshot``),
 a notice's commit to the memory tier (``commit_memory``), its promotion to durable storage and
@@ -29,16 +29,16 @@ from typing import Any
 
 from trainer_sdk import api
 from trainer_sdk._collectives import broadcast_json
-from trainer_sdk._config import CheckpointerConfig, env_number
-from trainer_sdk._deadline import SaveEstimator, probe_write
-from trainer_sdk._memory_tier import MemoryTier
-from trainer_sdk._reuse import Reuse, frozen_storages
-from trainer_sdk._status import StatusReporter
-from trainer_sdk._training_state import TrainingState
 from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import step_dir
 from trainer_sdk.format.planning import PlanCache
+from trainer_sdk.loop._config import CheckpointerConfig, env_number
+from trainer_sdk.loop._deadline import SaveEstimator, probe_write
+from trainer_sdk.loop._memory_tier import MemoryTier
+from trainer_sdk.loop._reuse import Reuse, frozen_storages
+from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.loop._training_state import TrainingState
 from trainer_sdk.staging import AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import ROUTINE_TRIGGERS, State, Tier
@@ -51,7 +51,7 @@ log = logging.getLogger("trainer_sdk.checkpointer")
 @dataclass(frozen=True, kw_only=True)
 class RankParts:
     """What the Checkpointer builds once on each rank and hands to both the save engine and
-    the restorer (:class:`~trainer_sdk._restoring.Restorer`): one object, so that a part added
+    the restorer (:class:`~trainer_sdk.loop._restoring.Restorer`): one object, so that a part added
     reaches both, and neither holds the Checkpointer."""
 
     config: CheckpointerConfig

@@ -7,13 +7,13 @@ read). After each load every rank learns the worst verdict of all ranks, so that
 same step or fail the same way: a step without a manifest is skipped, a bad one (checksum,
 truncation, invalid manifest) falls back to the next older step with a WARNING, one that
 cannot be read now or by this version raises :class:`~trainer_sdk.errors.UnreadableCheckpointError`,
-one that does not fit this run raises :class:`~trainer_sdk._training_state.ResumeError`; a
+one that does not fit this run raises :class:`~trainer_sdk.loop._training_state.ResumeError`; a
 memory snapshot that cannot be loaded is never a reason to stop (the durable tier is the
 ground truth). Then ``BATON_RESUME_STEP`` is checked, the snapshots of a run that is gone are
 cleared, and a step restored from the memory tier that is not durable yet is promoted.
 
 The writing it needs (the attempt in the fence, the write probe, the promotion, the record the
-policies count from) is the save engine's (:mod:`trainer_sdk._save_engine`), which it is
+policies count from) is the save engine's (:mod:`trainer_sdk.loop._save_engine`), which it is
 handed; it holds no reference to the Checkpointer.
 """
 
@@ -24,14 +24,14 @@ from typing import Any, Final
 
 from trainer_sdk import api
 from trainer_sdk._collectives import all_gather_json, broadcast_json
-from trainer_sdk._config import env_number
-from trainer_sdk._memory_tier import RestoreInfo
-from trainer_sdk._reuse import frozen_storages
-from trainer_sdk._save_engine import RankParts, SaveEngine
-from trainer_sdk._training_state import ResumeError
 from trainer_sdk.errors import CheckpointError, UnreadableCheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import FILE_RE, step_dir
+from trainer_sdk.loop._config import env_number
+from trainer_sdk.loop._memory_tier import RestoreInfo
+from trainer_sdk.loop._reuse import frozen_storages
+from trainer_sdk.loop._save_engine import RankParts, SaveEngine
+from trainer_sdk.loop._training_state import ResumeError
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import Tier
 

@@ -6,10 +6,10 @@ in flight, plans the emergency save, agrees on the slowest rank's estimate again
 clock, skips the save if it cannot end before the deadline minus the margin, else saves inside
 the deadline scope, and reports each state (``requested``, ``saving``, ``committed``,
 ``skipped``, ``failed``) to the sidecar as it goes (through
-:class:`~trainer_sdk._status.StatusReporter`). With the memory tier on, the same agreement also
-picks the tier (:func:`~trainer_sdk._deadline.choose_tier`): a durable save when it fits, else
+:class:`~trainer_sdk.loop._status.StatusReporter`). With the memory tier on, the same agreement also
+picks the tier (:func:`~trainer_sdk.loop._deadline.choose_tier`): a durable save when it fits, else
 a replicated memory snapshot promoted afterwards in the background. The writing is the save
-engine's (:mod:`trainer_sdk._save_engine`), which it is handed, one layer below.
+engine's (:mod:`trainer_sdk.loop._save_engine`), which it is handed, one layer below.
 
 Log records go to the ``trainer_sdk.checkpointer`` logger, where users (and tests) already
 listen for the Checkpointer's notices.
@@ -25,11 +25,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from trainer_sdk._collectives import all_reduce_max
-from trainer_sdk._deadline import SaveEstimator, choose_tier, deadline_scope
-from trainer_sdk._save_engine import SaveEngine
-from trainer_sdk._status import StatusReporter
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.signals import Agreement, LocalNotice, NoticeBoard
+from trainer_sdk.loop._deadline import SaveEstimator, choose_tier, deadline_scope
+from trainer_sdk.loop._save_engine import SaveEngine
+from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.loop.signals import Agreement, LocalNotice, NoticeBoard
 from trainer_sdk.wire import SavePhase, State, Tier
 
 __all__ = ["NoticeServer", "announce_notice"]
