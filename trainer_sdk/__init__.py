@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 from trainer_sdk._version import __version__
 
 if TYPE_CHECKING:
-    from trainer_sdk._types import RankLocal as RankLocal
-    from trainer_sdk._types import Stateful as Stateful
     from trainer_sdk.api import LoadInfo as LoadInfo
     from trainer_sdk.api import SaveInfo as SaveInfo
     from trainer_sdk.api import cleanup_incomplete as cleanup_incomplete
@@ -42,6 +40,8 @@ if TYPE_CHECKING:
     from trainer_sdk.errors import SupersededError as SupersededError
     from trainer_sdk.errors import UnreadableCheckpointError as UnreadableCheckpointError
     from trainer_sdk.errors import UnsupportedFormatError as UnsupportedFormatError
+    from trainer_sdk.format._types import RankLocal as RankLocal
+    from trainer_sdk.format._types import Stateful as Stateful
     from trainer_sdk.hf import export_hf as export_hf
     from trainer_sdk.hf import export_peft_adapter as export_peft_adapter
     from trainer_sdk.loop._memory_tier import promote as promote
@@ -65,13 +65,13 @@ _LAZY: dict[str, str] = {
     "ResumableSampler": "sampler",
     "export_hf": "hf",
     "export_peft_adapter": "hf",
-    "Stateful": "_types",
+    "Stateful": "format._types",
     "BatonError": "errors",
     "CheckpointError": "errors",
     "list_steps": "api",
     "delete_step": "api",
     "cleanup_incomplete": "api",
-    "RankLocal": "_types",
+    "RankLocal": "format._types",
     "CorruptCheckpointError": "errors",
     "IncompleteCheckpointError": "errors",
     "ManifestError": "errors",

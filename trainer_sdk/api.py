@@ -39,7 +39,6 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk._collectives import broadcast_json, group_rank_world
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format._catalog import (
@@ -56,6 +55,7 @@ from trainer_sdk.format._catalog import (
 from trainer_sdk.format._tree import flatten
 from trainer_sdk.format.layout import Manifest, step_dir
 from trainer_sdk.format.planning import FlatEntry, FlatState, SavePlan, plan_save
+from trainer_sdk.saveload._collectives import broadcast_json, group_rank_world
 from trainer_sdk.saveload._committing import (
     RankRecord,
     References,

@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import api
-from trainer_sdk._collectives import backend_timeout, release_group
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.loop._config import CheckpointerConfig, env_number
@@ -69,6 +68,7 @@ from trainer_sdk.loop.signals import (
     agreement_buffer,
     start_agreement,
 )
+from trainer_sdk.saveload._collectives import backend_timeout, release_group
 from trainer_sdk.staging import NORMAL_PRIORITY_BYTES, AsyncSaveHandle, AsyncSaver
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import (

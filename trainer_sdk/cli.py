@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from trainer_sdk._progress import Progress
 from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import (
@@ -37,6 +36,7 @@ from trainer_sdk.format.layout import (
     parse_safetensors_header,
     step_dir,
 )
+from trainer_sdk.saveload._progress import Progress
 from trainer_sdk.storage import Storage, open_storage
 
 __all__ = ["main"]

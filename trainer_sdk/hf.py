@@ -56,9 +56,9 @@ import torch
 from safetensors.torch import save_file
 
 from trainer_sdk import api
-from trainer_sdk._progress import Progress
 from trainer_sdk.errors import BatonError
 from trainer_sdk.format.layout import DTYPE_SIZES
+from trainer_sdk.saveload._progress import Progress
 from trainer_sdk.storage import Location, Storage, open_storage
 
 __all__ = [

@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from trainer_sdk import api
-from trainer_sdk._collectives import backend_timeout, release_group
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.saveload._collectives import backend_timeout, release_group
 from trainer_sdk.storage import Location, Storage, open_storage
 from trainer_sdk.wire import Trigger
 
@@ -283,7 +283,7 @@ class AsyncSaver:
     def close(self) -> None:
         """Drain (raising a failure of the last save), stop the worker thread and destroy the
         background group (a gloo group alive at interpreter exit can abort the process:
-        :func:`~trainer_sdk._collectives.release_group`)."""
+        :func:`~trainer_sdk.saveload._collectives.release_group`)."""
         if self._closed:
             return
         try:

@@ -96,8 +96,8 @@ def test_resumed_three_rank_runs_exit_cleanly(tmp_path: Path) -> None:
     It used to end with one rank's SIGABRT at interpreter exit ("terminate called without an
     active exception") in about 1 run of 10: the SDK's gloo groups were never destroyed and
     their worker threads freed finished works during the interpreter's finalization
-    (trainer_sdk._collectives.release_group). Killed once, then resumed from that same state
-    several times; torchrun's exit code is 0 only when every rank's is.
+    (trainer_sdk.saveload._collectives.release_group). Killed once, then resumed from that same
+    state several times; torchrun's exit code is 0 only when every rank's is.
     """
     killed = tmp_path / "killed"
     hf_runs.run_until_hang(killed, 4, nproc=3)

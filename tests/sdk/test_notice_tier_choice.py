@@ -73,8 +73,8 @@ def _slow_rank_body(slow_rank: int) -> list[object]:
 
     import torch.distributed as dist
 
-    from trainer_sdk._collectives import all_reduce_max
     from trainer_sdk.loop._deadline import choose_tier
+    from trainer_sdk.saveload._collectives import all_reduce_max
 
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")

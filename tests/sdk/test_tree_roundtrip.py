@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_sdk._types import RankLocal
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format._tree import TreeDecoder, flatten
+from trainer_sdk.format._types import RankLocal
 from trainer_sdk.format.planning import FlatState
 
 

@@ -28,9 +28,9 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import CheckpointError, ManifestError
 from trainer_sdk.format._safetensors_io import st_dtype
+from trainer_sdk.format._types import RankLocal, Stateful
 from trainer_sdk.format.layout import Kind
 from trainer_sdk.format.planning import FlatEntry, FlatState
 

@@ -80,7 +80,6 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from trainer_sdk import api
-from trainer_sdk._collectives import all_reduce_max, broadcast_json
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import parse_step_dir, step_dir
 from trainer_sdk.integrations import IntegrationError
@@ -88,6 +87,7 @@ from trainer_sdk.integrations.dcp.notices import BatonNotices
 from trainer_sdk.loop import _ddp
 from trainer_sdk.loop._config import env_number
 from trainer_sdk.loop._status import StatusReporter
+from trainer_sdk.saveload._collectives import all_reduce_max, broadcast_json
 from trainer_sdk.wire import EXIT_STOPPED_AFTER_NOTICE, State, Tier, Trigger
 
 __all__ = ["BatonCallback", "BatonCheckpointIO"]

@@ -56,8 +56,8 @@ from torchtitan.components.checkpointer import (
 )
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
+from trainer_sdk.format._types import RankLocal
 from trainer_sdk.integrations import IntegrationError
 from trainer_sdk.wire import EXIT_STOPPED_AFTER_NOTICE, Trigger
 

@@ -60,8 +60,8 @@ from transformers import Trainer
 from transformers.trainer_utils import seed_worker
 
 from trainer_sdk import rng
-from trainer_sdk._types import RankLocal
 from trainer_sdk.checkpointer import Checkpointer
+from trainer_sdk.format._types import RankLocal
 from trainer_sdk.hf import PEFT_CONFIG_KEY as _PEFT_CONFIG
 from trainer_sdk.hf import peft_config_doc
 from trainer_sdk.integrations import IntegrationError

@@ -6,8 +6,8 @@ loads, the fallback between the tiers) and ``_notices`` (an agreed notice served
 then its parts ``_status`` (this rank's status file for the sidecar), ``_training_state`` (what
 a loop's checkpoint holds), ``_config`` (``CheckpointerConfig``), ``_memory_tier`` and
 ``_reuse`` (incremental steps); at the bottom ``signals`` (SIGTERM and control requests to one
-agreed step), ``_deadline`` (a save's deadline) and ``_ddp`` (DDP bucket order). Below this
-folder: ``staging``, ``hf``, ``api``, ``saveload``, ``format``, ``storage`` and the leaves.
-Empty on purpose: import the modules themselves. Loggers keep their names from before the
-folders (``trainer_sdk.checkpointer``, ``trainer_sdk.loop.signals``, ...): log filters use them.
+agreed step), ``_deadline`` (will a save fit before a deadline) and ``_ddp`` (DDP's bucket layout).
+Below this folder: ``staging``, ``hf``, ``api``, ``saveload``, ``format``, ``storage`` and the
+leaves. Empty on purpose: import the modules themselves. Loggers keep their names from before the
+folders (``trainer_sdk.checkpointer``, ``trainer_sdk.signals``, ...): log filters use them.
 """

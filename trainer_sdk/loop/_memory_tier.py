@@ -52,7 +52,6 @@ from typing import Any, Final
 import torch
 
 from trainer_sdk import api
-from trainer_sdk._collectives import all_gather_json, group_rank_world
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -72,6 +71,7 @@ from trainer_sdk.format.layout import (
 )
 from trainer_sdk.loop._deadline import SaveEstimator
 from trainer_sdk.replication import FILL, REPLICATE, SidecarLink
+from trainer_sdk.saveload._collectives import all_gather_json, group_rank_world
 from trainer_sdk.saveload._committing import build_manifest, check_writable, commit_manifest
 from trainer_sdk.saveload._saving import write_rank
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from trainer_sdk._collectives import all_reduce_max
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.loop._deadline import SaveEstimator, choose_tier, deadline_scope
 from trainer_sdk.loop._save_engine import SaveEngine
 from trainer_sdk.loop._status import StatusReporter
 from trainer_sdk.loop.signals import Agreement, LocalNotice, NoticeBoard
+from trainer_sdk.saveload._collectives import all_reduce_max
 from trainer_sdk.wire import SavePhase, State, Tier
 
 __all__ = ["NoticeServer", "announce_notice"]

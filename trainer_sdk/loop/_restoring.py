@@ -23,7 +23,6 @@ import logging
 from typing import Any, Final
 
 from trainer_sdk import api
-from trainer_sdk._collectives import all_gather_json, broadcast_json
 from trainer_sdk.errors import CheckpointError, UnreadableCheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import FILE_RE, step_dir
@@ -32,6 +31,7 @@ from trainer_sdk.loop._memory_tier import RestoreInfo
 from trainer_sdk.loop._reuse import frozen_storages
 from trainer_sdk.loop._save_engine import RankParts, SaveEngine
 from trainer_sdk.loop._training_state import ResumeError
+from trainer_sdk.saveload._collectives import all_gather_json, broadcast_json
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import Tier
 

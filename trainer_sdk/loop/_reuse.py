@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from trainer_sdk import api
-from trainer_sdk._collectives import all_gather_json
 from trainer_sdk.format.layout import FileEntry, Manifest, TensorEntry, ref_key
+from trainer_sdk.saveload._collectives import all_gather_json
 
 __all__ = ["Reuse", "frozen_storages"]
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer_sdk import api
-from trainer_sdk._collectives import broadcast_json
 from trainer_sdk.errors import BatonError, CheckpointError
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import step_dir
@@ -39,6 +38,7 @@ from trainer_sdk.loop._memory_tier import MemoryTier
 from trainer_sdk.loop._reuse import Reuse, frozen_storages
 from trainer_sdk.loop._status import StatusReporter
 from trainer_sdk.loop._training_state import TrainingState
+from trainer_sdk.saveload._collectives import broadcast_json
 from trainer_sdk.staging import AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import ROUTINE_TRIGGERS, State, Tier

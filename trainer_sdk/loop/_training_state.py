@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_sdk import rng
-from trainer_sdk._types import RankLocal, Stateful
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format._types import RankLocal, Stateful
 from trainer_sdk.loop import _ddp
 from trainer_sdk.sampler import find_sampler
 from trainer_sdk.saveload._loading import LoadInfo

@@ -40,8 +40,8 @@ from typing import Any, Final
 
 import torch
 
-from trainer_sdk._collectives import all_reduce_max_, mark_failed, start_all_reduce_max_
 from trainer_sdk.control import ControlChannel, ControlError, Request, parse_rfc3339
+from trainer_sdk.saveload._collectives import all_reduce_max_, mark_failed, start_all_reduce_max_
 from trainer_sdk.wire import Trigger
 
 __all__ = [

@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from trainer_sdk._collectives import all_gather_json, broadcast_json, group_rank_world
 from trainer_sdk._version import __version__ as _baton_version
 from trainer_sdk.errors import (
     CheckpointError,
@@ -43,6 +42,7 @@ from trainer_sdk.format.layout import (
     TensorEntry,
     parse_latest,
 )
+from trainer_sdk.saveload._collectives import all_gather_json, broadcast_json, group_rank_world
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import Trigger
 

@@ -45,11 +45,11 @@ from typing import Any, Final, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer_sdk._collectives import Broadcasts, all_gather_json
 from trainer_sdk.format._safetensors_io import ST_TO_TORCH, byte_view
 from trainer_sdk.format._tree import dtensor_type
 from trainer_sdk.format.layout import DTYPE_SIZES, Manifest, Piece
 from trainer_sdk.format.planning import row_range
+from trainer_sdk.saveload._collectives import Broadcasts, all_gather_json
 
 __all__ = [
     "SMALL",

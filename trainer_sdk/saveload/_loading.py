@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from trainer_sdk._collectives import all_gather_json
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -50,6 +49,7 @@ from trainer_sdk.format.layout import (
 )
 from trainer_sdk.format.planning import intersect, row_range
 from trainer_sdk.saveload import _coop
+from trainer_sdk.saveload._collectives import all_gather_json
 from trainer_sdk.storage import Storage
 
 __all__ = ["LoadInfo", "Reader", "classify_load_error", "load_step", "torch_dtype"]

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint import state_dict_saver as dcp_save
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from trainer_sdk import api
-from trainer_sdk._collectives import all_reduce_max, broadcast_json, release_group
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format import _catalog
@@ -36,6 +35,7 @@ from trainer_sdk.loop.signals import (
     SigtermListener,
     agree,
 )
+from trainer_sdk.saveload._collectives import all_reduce_max, broadcast_json, release_group
 from trainer_sdk.storage import Location, open_storage
 from trainer_sdk.wire import (
     EXIT_RESTART_IN_PLACE,
