@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from trainer_sdk.format._types import Stateful as Stateful
     from trainer_sdk.hf import export_hf as export_hf
     from trainer_sdk.hf import export_peft_adapter as export_peft_adapter
-    from trainer_sdk.loop._memory_tier import promote as promote
+    from trainer_sdk.loop._promotion import promote as promote
     from trainer_sdk.sampler import ResumableSampler as ResumableSampler
     from trainer_sdk.staging import AsyncSaveHandle as AsyncSaveHandle
     from trainer_sdk.staging import async_save as async_save
@@ -83,7 +83,7 @@ _LAZY: dict[str, str] = {
     "UnsupportedFormatError": "errors",
     "EXIT_RESTART_IN_PLACE": "wire",
     "EXIT_STOPPED_AFTER_NOTICE": "wire",
-    "promote": "loop._memory_tier",
+    "promote": "loop._promotion",
     "RestoreInfo": "checkpointer",
 }
 

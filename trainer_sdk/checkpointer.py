@@ -23,21 +23,21 @@ What is saved: model and optimizer state through ``torch.distributed.checkpoint.
 the step. See ``docs/checkpointer.md`` for the policies, the resume rules and the guarantees.
 
 The Checkpointer holds the training-loop face (``restore``, ``step``, ``save``,
-``request_checkpoint``, ``close``), the policies and the notice agreement, and wires the parts
-that do the work: restore's agreement on the step and its fallback between the memory tier and
-the durable one in ``_restoring.py``, the save engine (prepare, save, snapshot, commit to the
-memory tier, promote, after-commit, drain) in ``_save_engine.py``, serving a notice in
-``_notices.py``, the status file in ``_status.py``, its settings in ``_config.py``, the state
-dict and its application in ``_training_state.py``, the agreement in ``signals.py``, async
-saves in ``staging.py``, the protocol behind ``api.py``, every collective in
-``_collectives.py``.
+``request_checkpoint``, ``close``) and the policies, and wires the parts that do the work (all
+in ``loop/`` unless named): the notice agreement at each step boundary, overlapped when steps
+are short, in ``_agreeing.py``; restore's agreement on the step and its fallback between the
+memory tier and the durable one in ``_restoring.py``; the save engine (prepare, save, snapshot,
+commit to the memory tier, promote, after-commit, drain) in ``_save_engine.py``; serving a
+notice in ``_notices.py``; the status file in ``_status.py``; its settings in ``_config.py``;
+the state dict and its application in ``_training_state.py``; the agreement's collective and
+the notice sources in ``signals.py``; async saves in ``staging.py``; the protocol behind
+``api.py``; every collective in ``saveload/_collectives.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from trainer_sdk import api
 from trainer_sdk.control import ControlChannel
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.loop._agreeing import NoticeAgreement
 from trainer_sdk.loop._config import CheckpointerConfig, env_number
 from trainer_sdk.loop._deadline import SaveEstimator
 from trainer_sdk.loop._memory_tier import MemoryTier, RestoreInfo
@@ -58,15 +59,9 @@ from trainer_sdk.loop._save_engine import RankParts, SaveEngine
 from trainer_sdk.loop._status import StatusReporter
 from trainer_sdk.loop._training_state import ResumeError, TrainingState
 from trainer_sdk.loop.signals import (
-    Agreement,
     ControlPoller,
-    LocalNotice,
     NoticeBoard,
-    PendingAgreement,
     SigtermListener,
-    agree,
-    agreement_buffer,
-    start_agreement,
 )
 from trainer_sdk.saveload._collectives import backend_timeout, release_group
 from trainer_sdk.staging import NORMAL_PRIORITY_BYTES, AsyncSaveHandle, AsyncSaver
@@ -90,11 +85,12 @@ class Checkpointer:
     Build it on every rank, on the main thread, after ``init_process_group`` (if any) and
     after building the model, optimizer, scheduler and dataloader.
 
-    Why one class of this size: it is the public face of the SDK (the constructor's options,
-    ``step``, ``save``, ``restore``, ``wait``, ``close`` and the properties), each with its
-    argument checks and documentation; the work is in
-    :class:`~trainer_sdk.loop._save_engine.SaveEngine`,
-    :class:`~trainer_sdk.loop._restoring.Restorer`, the memory tier and the notice server.
+    It is the public face of the SDK (the constructor's options, ``step``, ``save``,
+    ``restore``, ``wait``, ``close`` and the properties), each with its argument checks and
+    documentation; the work is in :class:`~trainer_sdk.loop._save_engine.SaveEngine`,
+    :class:`~trainer_sdk.loop._restoring.Restorer`,
+    :class:`~trainer_sdk.loop._agreeing.NoticeAgreement`, the memory tier and the notice
+    server.
     """
 
     def __init__(
@@ -206,12 +202,6 @@ class Checkpointer:
         )
         self._board = NoticeBoard(sigterm=self._sigterm, poller=poller)
         self._estimator = SaveEstimator()
-        self._pending: PendingAgreement | None = None
-        """The overlapped notice agreement started at the last boundary (every rank has one,
-        or none), waited for and acted on at the next."""
-        self._last_boundary: float | None = None
-        """Rank 0's monotonic clock at the last agreed boundary (identical on every rank)."""
-        self._agreement_buffer = agreement_buffer()
         # Every local rank reports in its own file; the sidecar folds them into one pod status.
         self._reporter = StatusReporter(
             self._channel,
@@ -229,6 +219,10 @@ class Checkpointer:
         )  # fmt: skip
         self._engine = SaveEngine(parts, saver=self._saver)
         self._restorer = Restorer(parts, engine=self._engine)
+        self._agreement = NoticeAgreement(
+            rank=self.rank, group=self._group, config=self.config, board=self._board,
+            saver=self._saver, engine=self._engine,
+        )  # fmt: skip
         self._notices = NoticeServer(
             rank=self.rank,
             group=self._group,
@@ -267,19 +261,7 @@ class Checkpointer:
         notice was served (committed or skipped): the caller should stop training.
         """
         self._check_open()
-        entered = time.monotonic()
-        agreement: Agreement | None = None
-        local: LocalNotice | None = None
-        overlap = False
-        if self._group is None or step % self.config.notice_every == 0:
-            pending, self._pending = self._pending, None
-            if pending is not None:  # started at the last boundary; ran during this step
-                local = pending.local
-                agreement = pending.wait(self.config.timeout)
-            else:
-                local = self._local_notice()
-                agreement = agree(local, rank=self.rank, group=self._group)
-            overlap = self._group is not None and self._overlap_next(agreement)
+        agreement, local = self._agreement.agree(step)
         self._reporter.heartbeat(step)
         if agreement is not None and agreement.background_failed:
             self._engine.raise_background_failure()
@@ -300,17 +282,7 @@ class Checkpointer:
         if snapshot:
             # After the durable save of the same step, so that it never waits for this one.
             self._engine.snapshot(step, prepared)
-        if overlap:
-            # Last, after any save: what this rank knows now goes to every rank during the
-            # next step, and every rank acts on it at the next boundary.
-            self._pending = start_agreement(
-                self._local_notice(),
-                step=step,
-                rank=self.rank,
-                group=self._group,
-                boundary=entered,
-                buffer=self._agreement_buffer,
-            )
+        self._agreement.overlap_next(step)  # last, after any save
         return False
 
     def save(self, step: int, *, trigger: str = Trigger.MANUAL) -> None:
@@ -374,7 +346,7 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._settle_agreement(on_close=True)
+            self._agreement.settle(on_close=True)
             if self._saver is not None:
                 try:
                     self._engine.drain()
@@ -434,56 +406,8 @@ class Checkpointer:
     ) -> None:
         # An overlapped agreement finishes before the save's collectives use the same group;
         # its answer is kept and acted on at the next boundary, as planned.
-        self._settle_agreement()
+        self._agreement.settle()
         self._engine.save(step, trigger=trigger, background=background, prepared=prepared)
-
-    # ---- the notice agreement ------------------------------------------------------------
-
-    def _local_notice(self) -> LocalNotice:
-        handle = self._saver.in_flight if self._saver is not None else None
-        due_seconds = (
-            self.config.every_seconds is not None
-            and self._engine.clock() - self._engine.last_save_time >= self.config.every_seconds
-        )
-        return self._board.local(
-            background_failed=handle is not None and handle.exception() is not None,
-            periodic_due=due_seconds,
-        )
-
-    def _overlap_next(self, agreement: Agreement) -> bool:
-        """Whether to overlap the next agreement with the next step. Decided from agreed
-        values only (rank 0's clock), so every rank decides the same."""
-        previous, self._last_boundary = self._last_boundary, agreement.rank0_monotonic
-        below = self.config.notice_overlap_below
-        if below <= 0:
-            return False
-        return previous is None or agreement.rank0_monotonic - previous < below
-
-    def _settle_agreement(self, *, on_close: bool = False) -> None:
-        pending = self._pending
-        if pending is None:
-            return
-        if not on_close:
-            pending.wait(self.config.timeout)
-            return
-        self._pending = None
-        try:
-            agreement = pending.wait(self.config.timeout)
-        except Exception as e:  # closing: the other ranks may be gone; never hang or mask
-            log.warning(
-                "rank %d: the last notice agreement (step %d) did not finish at close: %s",
-                self.rank,
-                pending.step,
-                e,
-            )
-            return
-        if agreement.notice:
-            log.warning(
-                "rank %d: a notice (%s) arrived during the last step and was not served: the "
-                "Checkpointer was closed first",
-                self.rank,
-                ", ".join(sorted(agreement.sources)),
-            )
 
     # ---- helpers --------------------------------------------------------------------------
 

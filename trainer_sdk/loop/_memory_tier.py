@@ -6,7 +6,8 @@ notice costs every step since the last one. The memory tier closes that gap: eve
 ``emptyDir`` with ``medium: Memory`` in Kubernetes, shared by the processes of one pod) in the
 *same* format v1 layout as the durable tier: shards, JSON files, and a ``manifest.json``
 written last as the commit marker. So a snapshot is read by the ordinary loader, and
-:func:`trainer_sdk.promote` copies one to durable storage unchanged.
+:func:`trainer_sdk.promote` (:mod:`trainer_sdk.loop._promotion`) copies one to durable
+storage unchanged.
 
 Who calls what, and in which order (every rank alike, at the same step):
 
@@ -24,17 +25,18 @@ Who calls what, and in which order (every rank alike, at the same step):
   rank can load, and tries them with the durable steps, newest first (see ``restore``).
 * A notice whose deadline is too short for a durable save may commit here instead
   (:meth:`MemoryTier.commit`, when every pod's snapshots replicate and were measured fast
-  enough), and then :meth:`MemoryTier.promote_in_background` copies that snapshot to the
-  checkpoint uri, every rank its own files, rank 0 the manifest last. A restore from a
-  snapshot that is not durable yet (its promotion was cut short by the node's end) promotes it
-  the same way.
+  enough), and then the tier's :class:`~trainer_sdk.loop._promotion.Promotion` copies that
+  snapshot to the checkpoint uri, every rank its own files, rank 0 the manifest last. A
+  restore from a snapshot that is not durable yet (its promotion was cut short by the node's
+  end) promotes it the same way.
 
 The durable tier never waits for this one: a durable or notice save does not wait for a
 snapshot in flight (they use other threads, buffers and process groups), and the snapshot
 writer yields the CPU to them.
 
-Why one module of this size: the snapshot, its commit, its promotion and the restore from
-memory share the tier's state (the pinned step, the savers, the peers' replicas).
+The promotion to durable storage is its own module, :mod:`trainer_sdk.loop._promotion`: it
+shares with the snapshots only the step it pins, which :meth:`MemoryTier._delete_older` asks
+it about.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -54,35 +56,32 @@ import torch
 from trainer_sdk import api
 from trainer_sdk.errors import (
     CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    RankFailedError,
 )
-from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import (
     BLOCK_SIZE,
-    FILE_RE,
-    FileEntry,
-    Manifest,
-    file_path,
-    new_hasher,
     parse_step_dir,
     step_dir,
 )
 from trainer_sdk.loop._deadline import SaveEstimator
+from trainer_sdk.loop._promotion import (
+    Promotion,
+    delete_snapshot,
+    error_json,
+    missing,
+    raise_failures,
+)
 from trainer_sdk.replication import FILL, REPLICATE, SidecarLink
 from trainer_sdk.saveload._collectives import all_gather_json, group_rank_world
-from trainer_sdk.saveload._committing import build_manifest, check_writable, commit_manifest
+from trainer_sdk.saveload._committing import build_manifest, commit_manifest
 from trainer_sdk.saveload._saving import write_rank
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
-from trainer_sdk.storage import Location, Storage, open_storage
+from trainer_sdk.storage import Storage, open_storage
 
 __all__ = [
     "TRIGGER",
     "MemoryTier",
     "RestoreInfo",
     "complete_steps",
-    "promote",
 ]
 
 log = logging.getLogger("trainer_sdk.memory_tier")
@@ -104,27 +103,6 @@ class RestoreInfo:
     """The root the step was read from."""
 
 
-def _missing(storage: Storage, step: int) -> str | None:
-    """Why ``step`` under ``storage`` cannot be loaded from here, or None when it can: a valid
-    manifest and every file it lists, at its size."""
-    try:
-        manifest = _catalog.read_manifest(storage, step)
-    except IncompleteCheckpointError:
-        return "no manifest (never committed)"
-    except CheckpointError as e:
-        return f"its manifest is bad: {e}"
-    for name, entry in manifest.files.items():
-        try:
-            size = storage.size(file_path(step, name))
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except OSError as e:
-            return f"{name} cannot be read: {e}"
-        if size != entry.size:
-            return f"{name} has {size} bytes, the manifest says {entry.size}"
-    return None
-
-
 def complete_steps(storage: Storage) -> tuple[list[int], dict[int, str]]:
     """Snapshots under ``storage`` that this process can load (newest first), and why each
     other step directory cannot be loaded."""
@@ -134,16 +112,12 @@ def complete_steps(storage: Storage) -> tuple[list[int], dict[int, str]]:
         step = parse_step_dir(name)
         if step is None:
             continue
-        reason = _missing(storage, step)
+        reason = missing(storage, step)
         if reason is None:
             ok.append(step)
         else:
             why[step] = reason
     return ok, why
-
-
-def _error_json(rank: int, err: BaseException) -> dict[str, Any]:
-    return {"ok": False, "rank": rank, "error": f"{type(err).__name__}: {err}"}
 
 
 class MemoryTier:
@@ -156,9 +130,9 @@ class MemoryTier:
     snapshot copied to the peers before older ones are deleted, and fills ``fast_dir`` from
     the peers before a restore lists it.
 
-    Why one class of this size: the snapshot, the notice's commit, the promotion and
-    the restore from memory all read and change the same few fields (the pinned step, the
-    staging buffers and savers, the peers' replicas), which a split would pass back and forth.
+    The snapshot, the notice's commit and the restore from memory read and change the same
+    few fields (the staging buffers and saver, the peers' replicas); the promotion of a
+    snapshot to durable storage is :attr:`promotion` (:mod:`trainer_sdk.loop._promotion`).
     """
 
     def __init__(
@@ -193,13 +167,11 @@ class MemoryTier:
         self.estimator = SaveEstimator()
         """Measured seconds of replicated snapshots, from the start of the copy to every pod's
         replica (what a notice committing here would wait for)."""
-        self._promoter: AsyncSaver | None = None
-        """The promotion's own worker thread and process group (built at the first promotion,
-        by every rank at the same point), so that a promotion never delays a snapshot."""
-        self._pinned: int | None = None
-        """The snapshot being promoted: newer snapshots do not delete it until it is durable."""
-        self._outlived = False
-        """A newer snapshot would have deleted the pinned one: the promotion deletes it."""
+        self.promotion = Promotion(
+            self.storage, rank=self.rank, world=self.world, timeout=self.saver.timeout
+        )
+        """Copies a snapshot to durable storage in the background (a notice's, or one restored
+        before it was durable); the snapshot it copies is kept here until it is durable."""
 
     @property
     def uri(self) -> str:
@@ -266,11 +238,11 @@ class MemoryTier:
         except Exception as e:
             if self.world == 1:
                 raise
-            own = _error_json(self.rank, e)
+            own = error_json(self.rank, e)
         records: list[dict[str, Any]] = all_gather_json(
             own, group=group, timeout=timeout, what=f"memory snapshot of step {step}"
         )
-        self._raise_failures(records, step, "writing its files")
+        raise_failures(records, step, "writing its files")
         manifest = build_manifest(
             records, step=step, trigger=TRIGGER, block_size=BLOCK_SIZE, extra=dict(extra or {})
         )
@@ -286,12 +258,12 @@ class MemoryTier:
             except Exception as e:
                 if self.world == 1:
                     raise
-                outcome = _error_json(self.rank, e)
+                outcome = error_json(self.rank, e)
         if self.world > 1:
             outcomes = all_gather_json(
                 outcome, group=group, timeout=timeout, what=f"memory snapshot of step {step}"
             )
-            self._raise_failures(outcomes, step, "writing the manifest")
+            raise_failures(outcomes, step, "writing the manifest")
         self.last_committed = step
         # Replication starts only once every pod has committed the step (so a replica of any
         # pod implies a complete snapshot in every other pod), and older snapshots go only
@@ -312,33 +284,13 @@ class MemoryTier:
         log.debug("memory snapshot of step %d in %.3fs", step, time.perf_counter() - t0)
         return step
 
-    def _raise_failures(self, outcomes: list[dict[str, Any]], step: int, what: str) -> None:
-        failures = {r: str(o.get("error")) for r, o in enumerate(outcomes) if not o.get("ok")}
-        if failures:
-            first = min(failures)
-            raise RankFailedError(
-                rank=first,
-                cause=f"{what}: {failures[first]}",
-                failures=failures,
-                what=f"memory snapshot of step {step}",
-            )
-
     def _delete_older(self, committed: int) -> None:
         """Delete every snapshot directory older than ``committed`` (complete or not), except
         one being promoted."""
         for name in self.storage.list_dir(""):
             old = parse_step_dir(name)
-            if old is not None and old < committed:
-                if old == self._pinned:
-                    self._outlived = True
-                else:
-                    self._delete_step(old)
-
-    def _delete_step(self, step: int) -> None:
-        try:
-            self.storage.delete_tree(step_dir(step))
-        except OSError as e:  # tidying only; the next commit retries
-            log.warning("could not delete memory snapshot %s/%s: %s", self.uri, step_dir(step), e)
+            if old is not None and old < committed and not self.promotion.holds(old):
+                delete_snapshot(self.storage, old)
 
     def _replicate(self, step: int, timeout: float) -> bool | None:
         """Have the pod's sidecar copy ``step`` to its peers (``LOCAL_RANK`` 0; bounded by
@@ -446,101 +398,6 @@ class MemoryTier:
         self.saver.wait_previous()
         return self.last_replicated == step
 
-    def promote_in_background(
-        self,
-        step: int,
-        durable: Storage,
-        *,
-        attempt: int | None,
-        on_done: Callable[[int, BaseException | None], None],
-    ) -> None:
-        """Copy the complete snapshot of ``step`` to ``durable`` in the background, unchanged:
-        every rank its own files (verified against the manifest's digests), then rank 0 the
-        manifest, last. ``on_done(step, error)`` runs on the promotion's thread on every rank
-        when it ends. Call it on every rank at the same point (the first call builds a process
-        group, collectively). The snapshot is kept in ``fast_dir`` until then."""
-        if self._promoter is None:
-            self._promoter = AsyncSaver(timeout=self.saver.timeout)
-        self._promoter.wait_previous()
-        self._pinned = step
-
-        def work(staged: dict[str, torch.Tensor], tree: Any) -> int:
-            error: BaseException | None = None
-            copied = 0
-            try:
-                copied = self._promote(step, durable, attempt=attempt)
-            except BaseException as e:
-                error = e
-            finally:
-                self._pinned = None
-            if self._outlived:
-                # kept only for the promotion: a newer snapshot has committed (and been
-                # replicated) since, and would have deleted it
-                self._outlived = False
-                self._delete_step(step)
-            on_done(step, error)
-            if error is not None:
-                raise error
-            return copied
-
-        self._promoter.submit(step=step, tensors={}, json_tree=None, work=work)
-
-    def _promote(self, step: int, dst: Storage, *, attempt: int | None) -> int:
-        group = None if self._promoter is None else self._promoter.group
-        timeout = self.saver.timeout.total_seconds()
-        what = f"promoting memory snapshot {step}"
-        key = _catalog.manifest_key(step)
-        outcome: dict[str, Any] = {"ok": True, "bytes": 0}
-        data = b""
-        try:
-            data = self.storage.read_bytes(key)
-            manifest = Manifest.parse(data, step=step)
-            if dst.exists(key) and dst.read_bytes(key) != data:
-                raise CheckpointError(
-                    f"step {step} is already committed under {dst.uri} by another save; the "
-                    "memory snapshot was not promoted and nothing was overwritten"
-                )
-            if not dst.exists(key):
-                if attempt is not None:
-                    check_writable(dst, step, attempt)
-                for name, entry in manifest.files.items():
-                    m = FILE_RE.fullmatch(name)
-                    if m is not None and int(m.group(1)) == self.rank:
-                        outcome["bytes"] += _copy_verified(self.storage, dst, step, name, entry)
-        except Exception as e:
-            if self.world == 1:
-                raise
-            outcome = _error_json(self.rank, e)
-        outcomes = [outcome]
-        if self.world > 1:
-            outcomes = all_gather_json(outcome, group=group, timeout=timeout, what=what)
-        self._raise_failures(outcomes, step, "copying its files to durable storage")
-        final: dict[str, Any] = {"ok": True}
-        if self.rank == 0 and not dst.exists(key):
-            try:
-                commit_manifest(dst, step, data)  # the commit marker, last; then latest
-            except Exception as e:
-                if self.world == 1:
-                    raise
-                final = _error_json(self.rank, e)
-        if self.world > 1:
-            finals = all_gather_json(final, group=group, timeout=timeout, what=what)
-            self._raise_failures(finals, step, "committing the promoted manifest")
-        copied = sum(int(o.get("bytes") or 0) for o in outcomes) + len(data)
-        if self.rank == 0:
-            log.info("promoted memory snapshot of step %d to %s (%d bytes)", step, dst.uri, copied)
-        return copied
-
-    @property
-    def promoting(self) -> int | None:
-        """The step being promoted, if any."""
-        return self._pinned
-
-    def wait_promotion(self) -> None:
-        """Wait for a promotion in flight; raise its failure (once)."""
-        if self._promoter is not None:
-            self._promoter.wait_previous()
-
     def close(self) -> None:
         """Wait for the snapshot and a promotion in flight (a failure is logged: the durable
         tier is what a closing run relies on) and stop the writers."""
@@ -548,83 +405,4 @@ class MemoryTier:
             self.saver.close()
         except Exception as e:
             log.warning("rank %d: the last memory snapshot failed: %s", self.rank, e)
-        if self._promoter is not None:
-            try:
-                self._promoter.close()
-            except Exception as e:
-                log.warning(
-                    "rank %d: promoting the memory snapshot to durable storage failed: %s",
-                    self.rank,
-                    e,
-                )
-
-
-_COPY_CHUNK: Final = 8 << 20
-"""Bytes copied (and hashed) at a time by :func:`promote`: its memory is bounded by this."""
-
-
-def _copy_verified(src: Storage, dst: Storage, step: int, name: str, entry: FileEntry) -> int:
-    """Copy one file of ``step`` from ``src`` to ``dst`` in bounded chunks, checking it
-    against the manifest's digest before it is committed; returns its size."""
-    path = file_path(step, name)
-    algorithm, want = entry.digest
-    hasher = new_hasher(algorithm)
-    buf = bytearray(min(_COPY_CHUNK, max(entry.size, 1)))
-    writer = dst.open_writer(path, size_hint=entry.size)
-    try:
-        offset = 0
-        while offset < entry.size:
-            view = memoryview(buf)[: min(len(buf), entry.size - offset)]
-            src.read_into(path, offset, view)
-            hasher.update(view)
-            writer.write(bytes(view))
-            offset += len(view)
-        if hasher.hexdigest() != want:
-            raise CorruptCheckpointError(
-                f"{algorithm} differs from the manifest's: the memory snapshot of step "
-                f"{step} is corrupt and was not promoted",
-                path=f"{src.uri}/{path}",
-            )
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    return entry.size
-
-
-def promote(fast_dir: Location, uri: Location, *, step: int) -> int:
-    """Copy the complete memory snapshot of ``step`` from ``fast_dir`` to the durable ``uri``,
-    unchanged; return the bytes copied (0 when it was already promoted).
-
-    Every file is checked against the manifest's digest while it is copied (a snapshot that
-    went bad in memory is refused, never made durable) and the manifest is written last,
-    exclusively: the durable step is complete, or absent. Run it on one process that sees the
-    whole snapshot (``fast_dir`` of a pod holds its own ranks' files). Refused, with nothing
-    written, when the snapshot is incomplete, when ``step`` is already committed under ``uri``
-    with another manifest, or when a newer attempt of the job writes there (fencing).
-    """
-    src = open_storage(fast_dir)
-    dst = open_storage(uri)
-    reason = _missing(src, step)
-    if reason is not None:
-        raise IncompleteCheckpointError(
-            f"the memory snapshot of step {step} under {src.uri} cannot be promoted: {reason}. "
-            "Promote a complete snapshot (trainer_sdk.list_steps lists them)"
-        )
-    key = _catalog.manifest_key(step)
-    data = src.read_bytes(key)
-    manifest = Manifest.parse(data, step=step)
-    if dst.exists(key):
-        if dst.read_bytes(key) == data:
-            return 0
-        raise CheckpointError(
-            f"step {step} is already committed under {dst.uri} by another save; the memory "
-            "snapshot was not promoted and nothing was overwritten"
-        )
-    check_writable(dst, step, manifest.attempt)
-    copied = 0
-    for name, entry in manifest.files.items():
-        copied += _copy_verified(src, dst, step, name, entry)
-    commit_manifest(dst, step, data)  # the commit marker, last; then latest
-    log.info("promoted memory snapshot of step %d to %s (%d bytes)", step, dst.uri, copied)
-    return copied + len(data)
+        self.promotion.close()

@@ -189,10 +189,12 @@ class SaveEngine:
         # the manifest is written: only now may older checkpoints go.
         self.parts.estimator.record(rank_bytes, info.seconds)
         self.last_committed = info.step
-        if self.parts.fast is not None and self.parts.fast.promoting is not None:
+        if self.parts.fast is not None and self.parts.fast.promotion.step is not None:
             # Retention deletes incomplete directories older than the commit: not the one a
             # promotion is filling. The next commit's retention catches up.
-            log.debug("retention skipped: step %d is being promoted", self.parts.fast.promoting)
+            log.debug(
+                "retention skipped: step %d is being promoted", self.parts.fast.promotion.step
+            )
         elif self.parts.rank == 0:
             try:
                 _catalog.retain(
@@ -244,7 +246,7 @@ class SaveEngine:
             self.drain()
         if self.parts.fast is not None:
             self.parts.fast.wait()
-            self.parts.fast.wait_promotion()
+            self.parts.fast.promotion.wait()
 
     def raise_background_failure(self) -> None:
         """Raise the failure of a background save that failed on this rank or another."""
@@ -281,7 +283,7 @@ class SaveEngine:
         """Promote the memory snapshot of ``step`` to the checkpoint uri in the background
         (every rank at the same point); reported and retained like a commit when it ends."""
         assert self.parts.fast is not None
-        self.parts.fast.promote_in_background(
+        self.parts.fast.promotion.start(
             step, self.parts.storage, attempt=self.attempt, on_done=self._after_promotion
         )
 
