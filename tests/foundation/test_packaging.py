@@ -42,7 +42,17 @@ def test_stdlib_operator_is_not_shadowed_from_repo_root() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["baton_operator", "baton_sidecar", "trainer_sdk", "trainer_sdk.storage"]
+    "module",
+    [
+        "baton_operator",
+        "baton_sidecar",
+        "trainer_sdk",
+        "trainer_sdk.storage",
+        # the SDK modules the sidecar imports, through their folders' __init__
+        "trainer_sdk.format.layout",
+        "trainer_sdk.control",
+        "trainer_sdk.replication",
+    ],
 )
 def test_light_imports_do_not_import_torch(module: str) -> None:
     # The operator must never need torch; the sidecar imports only the torch-free control
