@@ -1273,6 +1273,55 @@ def test_a_suspend_whose_save_times_out_still_stops_the_pods_at_the_last_committ
     assert "SuspendedWithoutCheckpoint" in _reasons(h)
 
 
+def test_a_suspend_with_the_memory_tier_stops_no_pod_before_the_promotion_commits() -> None:
+    # The SDK may commit a suspend's save to the memory tier (``choose_tier``: the request
+    # has a deadline), replicated to peer pods. Every pod goes at the suspend, and with them
+    # every copy: the save is its answer only once promoted to durable storage.
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic", "tier": "durable"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="requested")
+    h.tick()
+    memory = {"state": "committed", "step": 40, "trigger": "notice", "tier": "memory",
+              "uri": "file:///fast/tj/step-40", "last_committed_step": 20}  # fmt: skip
+    h.report_all(**memory)
+    for _ in range(3):
+        h.tick()
+    assert h.kube.deleted == [], "a memory-only commit is no answer: its copies are in the pods"
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert "Recovering" not in _reasons(h), "a suspend is never answered by a notice recovery"
+    h.report_all(**{**memory, "tier": "memory+promoted", "uri": "s3://bucket/tj/step-40",
+                    "last_committed_step": 40})  # fmt: skip
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert sorted(name for name, _ in h.kube.deleted) == [h.pod(0, r) for r in range(REPLICAS)]
+    assert status["resumedFromStep"] == 40
+    assert status["lastCheckpoint"]["step"] == 40
+    assert status["lastCheckpoint"]["tier"] == "memory+promoted", "recorded as a notice's is"
+
+
+def test_a_suspend_whose_promotion_misses_the_deadline_resumes_from_the_durable_step() -> None:
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic", "tier": "durable"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="committed", step=40, trigger="notice", tier="memory",
+                 last_committed_step=20)  # fmt: skip
+    h.tick()
+    h.kube.status["notice"]["deadline"] = "2026-01-01T00:00:00Z"
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert (status["resumedFromStep"], status["lastCheckpoint"]["step"]) == (20, 20)
+    assert h.kube.condition("Suspended")["reason"] == "SuspendedWithoutCheckpoint"
+
+
 def test_a_job_created_suspended_creates_no_pods_until_unsuspended() -> None:
     h = Harness()
     h.kube.job["spec"]["suspend"] = True

@@ -145,14 +145,12 @@ class NoticePath(Room):
         # A suspend's save, or a notice's save while the job is being suspended: either way
         # the pods stop and stay stopped (no preemption is counted).
         suspending = source == SUSPEND_SOURCE or spec.suspend
+        tier = None if verdict.step is None else reports.commit_tier(answers.values(), verdict.step)
         if suspending:
-            await self._suspender.end_save(t, verdict)
+            await self._suspender.end_save(t, verdict, tier=tier)
             return
         if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
-            checkpoint = requested_checkpoint(
-                t, verdict.step, verdict,
-                tier=reports.commit_tier(answers.values(), verdict.step),
-            )  # fmt: skip
+            checkpoint = requested_checkpoint(t, verdict.step, verdict, tier=tier)
             key = (spec.namespace, spec.name)
             self._metrics.checkpoint_committed(*key, checkpoint.tier)
             self._metrics.notice_to_commit.labels(*key).observe((now - received).total_seconds())

@@ -71,12 +71,17 @@ class Suspender(Room):
             event=("Normal", "Suspending"),
         )  # fmt: skip
 
-    async def end_save(self, t: Tick, verdict: Verdict) -> None:
+    async def end_save(self, t: Tick, verdict: Verdict, *, tier: str | None = None) -> None:
         """The suspend's save committed or failed: stop the pods either way (the queue wants
-        its quota back), recording the step the job will resume from."""
+        its quota back), recording the step the job will resume from.
+
+        ``tier``: where a committed save went (``reports.commit_tier``). Never ``memory``
+        alone: the notice path does not take a memory-tier commit for the answer until its
+        promotion committed (``reports.answers``), since the pods deleted here hold its only
+        copies."""
         spec, status, now = t.spec, t.status, t.now
         if verdict.kind is VerdictKind.COMMITTED and verdict.step is not None:
-            checkpoint = requested_checkpoint(t, verdict.step, verdict)
+            checkpoint = requested_checkpoint(t, verdict.step, verdict, tier=tier)
             self._metrics.last_checkpoint.labels(spec.namespace, spec.name).set(now.timestamp())
             await self._event(
                 t.job, "Normal", "CheckpointCommitted",
