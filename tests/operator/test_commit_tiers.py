@@ -64,6 +64,26 @@ def test_the_notice_waits_for_the_promotion_then_commits_or_falls_back_at_the_de
     assert best == 10
 
 
+def test_a_fallback_never_resumes_from_a_memory_commit_no_rank_proves_durable() -> None:
+    # lastCheckpoint on the memory tier (a notice's recovery): the restart after a fallback
+    # deletes every pod, and with them the snapshot's only copies.
+    last = LastCheckpoint(step=16, uri="file:///fast/ck", trigger="notice", tier="memory")
+    older = _report(state="failed", step=20, last_committed_step=10)
+    assert reports.fallback_step(last, [older]) == 10
+    best, fields = reports.fallback_fields(last, [older], uri="s3://b/ck", now="t")
+    assert best == 10
+    assert fields["lastCheckpoint"]["step"] == 10
+    assert reports.fallback_fields(last, [], uri="s3://b/ck", now="t") == (
+        None, {"lastCheckpoint": None},
+    )  # fmt: skip
+    # a rank reports the promotion committed: the step is durable, and stays recorded
+    promoted = _report(state="failed", step=20, last_committed_step=16)
+    assert reports.fallback_fields(last, [promoted], uri="s3://b/ck", now="t") == (16, {})
+    for tier in ("durable", "memory+promoted", None):
+        kept = LastCheckpoint(step=16, tier=tier)
+        assert reports.fallback_fields(kept, [older], uri="u", now="t") == (16, {})
+
+
 def test_commit_tier_prefers_the_promotion_and_ignores_unknown_words() -> None:
     assert reports.commit_tier([_report(tier="durable")], 16) == "durable"
     assert (

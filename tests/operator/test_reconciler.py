@@ -1322,6 +1322,62 @@ def test_a_suspend_whose_promotion_misses_the_deadline_resumes_from_the_durable_
     assert h.kube.condition("Suspended")["reason"] == "SuspendedWithoutCheckpoint"
 
 
+def test_a_suspend_after_a_memory_commit_not_yet_promoted_never_resumes_from_it() -> None:
+    # A notice's recovery recorded step 30 on the memory tier (``lastCheckpoint.tier``); its
+    # promotion is not seen yet when the suspend comes, and the suspend's own save fails.
+    # The pods go with the only copies of step 30: the job resumes from step 20, the newest
+    # step a rank reports durable, never from 30, which would exist nowhere.
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="failed", step=35, trigger="notice", error="disk full",
+                 last_committed_step=20)  # fmt: skip
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert status["resumedFromStep"] == 20
+    assert status["lastCheckpoint"]["step"] == 20
+    assert "the last committed step is 20" in h.kube.condition("Suspended")["message"]
+    _suspend(h, False)
+    h.tick()
+    assert _env_of(h, 1, 0)["BATON_RESUME_STEP"] == "20"
+
+
+def test_a_suspend_after_a_memory_commit_a_rank_proves_promoted_resumes_from_it() -> None:
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="failed", step=35, trigger="notice", error="disk full",
+                 last_committed_step=30)  # fmt: skip
+    h.tick()
+    status = h.kube.status
+    assert (status["phase"], status["resumedFromStep"]) == ("Suspended", 30)
+
+
+def test_a_suspend_with_no_durable_step_behind_a_memory_commit_resumes_from_the_start() -> None:
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
+    _suspend(h, True)
+    h.tick()
+    h.report_all(state="failed", step=35, trigger="notice", error="disk full")
+    h.tick()
+    status = h.kube.status
+    assert status["phase"] == "Suspended"
+    assert status.get("resumedFromStep") is None
+    assert "lastCheckpoint" not in status, "its step is in no pod after the suspend"
+    _suspend(h, False)
+    h.tick()
+    assert "BATON_RESUME_STEP" not in _env_of(h, 1, 0)
+
+
 def test_a_job_created_suspended_creates_no_pods_until_unsuspended() -> None:
     h = Harness()
     h.kube.job["spec"]["suspend"] = True

@@ -198,8 +198,12 @@ def fallback_step(last: LastCheckpoint | None, reports: Iterable[SidecarStatus])
     Any rank's ``committed`` proves the manifest is written (the manifest is the commit of
     every rank's shards), so this is the step a restart resumes from when a notice's own save
     did not complete; None when nothing was ever committed (start from scratch).
+
+    A ``lastCheckpoint`` on the memory tier (a notice's recovery committed it there; its
+    promotion not seen yet) counts only once a rank proves it durable: the restart that
+    follows deletes every pod, and with them the snapshot's only copies.
     """
-    steps = [last.step] if last is not None else []
+    steps = [last.step] if last is not None and last.tier != Tier.MEMORY else []
     steps.extend(s for r in reports if (s := r.committed_step) is not None)
     return max(steps) if steps else None
 
@@ -209,10 +213,13 @@ def fallback_fields(
 ) -> tuple[int | None, dict[str, Any]]:
     """A save that did not complete: the step the restart resumes from (:func:`fallback_step`)
     and the status fields to write with it (a ``lastCheckpoint`` when a rank reported a newer
-    commit than the job's status knew; ``now`` is its ISO completion time)."""
+    commit than the job's status knew, or than a memory-tier ``lastCheckpoint`` that is not
+    proven durable, which goes; ``now`` is its ISO completion time)."""
     best = fallback_step(last, reports)
     fields: dict[str, Any] = {}
-    if best is not None and (last is None or best > last.step):
+    if last is not None and last.tier == Tier.MEMORY and best != last.step:
+        fields["lastCheckpoint"] = None  # its step is in no pod's memory after the restart
+    if best is not None and (last is None or best > last.step or "lastCheckpoint" in fields):
         fields["lastCheckpoint"] = LastCheckpoint(
             step=best, uri=uri, trigger=Trigger.PERIODIC.value, completed_at=now
         ).to_status()
