@@ -1273,18 +1273,27 @@ def test_a_suspend_whose_save_times_out_still_stops_the_pods_at_the_last_committ
     assert "SuspendedWithoutCheckpoint" in _reasons(h)
 
 
+def _memory_tier_job_suspended(last_checkpoint: dict[str, Any], **report: Any) -> Harness:
+    """A running job with the memory tier and ``last_checkpoint`` recorded, suspended; every
+    rank then answers the suspend's save with ``report``, and the operator ticks once."""
+    h = Harness()
+    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    h.running()
+    h.kube.status["lastCheckpoint"] = last_checkpoint
+    _suspend(h, True)
+    h.tick()
+    h.report_all(**report)
+    h.tick()
+    return h
+
+
 def test_a_suspend_with_the_memory_tier_stops_no_pod_before_the_promotion_commits() -> None:
     # The SDK may commit a suspend's save to the memory tier (``choose_tier``: the request
     # has a deadline), replicated to peer pods. Every pod goes at the suspend, and with them
     # every copy: the save is its answer only once promoted to durable storage.
-    h = Harness()
-    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    h.running()
-    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic", "tier": "durable"}
-    _suspend(h, True)
-    h.tick()
-    h.report_all(state="requested")
-    h.tick()
+    h = _memory_tier_job_suspended(
+        {"step": 20, "trigger": "periodic", "tier": "durable"}, state="requested"
+    )
     memory = {"state": "committed", "step": 40, "trigger": "notice", "tier": "memory",
               "uri": "file:///fast/tj/step-40", "last_committed_step": 20}  # fmt: skip
     h.report_all(**memory)
@@ -1305,15 +1314,14 @@ def test_a_suspend_with_the_memory_tier_stops_no_pod_before_the_promotion_commit
 
 
 def test_a_suspend_whose_promotion_misses_the_deadline_resumes_from_the_durable_step() -> None:
-    h = Harness()
-    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    h.running()
-    h.kube.status["lastCheckpoint"] = {"step": 20, "trigger": "periodic", "tier": "durable"}
-    _suspend(h, True)
-    h.tick()
-    h.report_all(state="committed", step=40, trigger="notice", tier="memory",
-                 last_committed_step=20)  # fmt: skip
-    h.tick()
+    h = _memory_tier_job_suspended(
+        {"step": 20, "trigger": "periodic", "tier": "durable"},
+        state="committed",
+        step=40,
+        trigger="notice",
+        tier="memory",
+        last_committed_step=20,
+    )
     h.kube.status["notice"]["deadline"] = "2026-01-01T00:00:00Z"
     h.tick()
     status = h.kube.status
@@ -1327,15 +1335,14 @@ def test_a_suspend_after_a_memory_commit_not_yet_promoted_never_resumes_from_it(
     # promotion is not seen yet when the suspend comes, and the suspend's own save fails.
     # The pods go with the only copies of step 30: the job resumes from step 20, the newest
     # step a rank reports durable, never from 30, which would exist nowhere.
-    h = Harness()
-    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    h.running()
-    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
-    _suspend(h, True)
-    h.tick()
-    h.report_all(state="failed", step=35, trigger="notice", error="disk full",
-                 last_committed_step=20)  # fmt: skip
-    h.tick()
+    h = _memory_tier_job_suspended(
+        {"step": 30, "trigger": "notice", "tier": "memory"},
+        state="failed",
+        step=35,
+        trigger="notice",
+        error="disk full",
+        last_committed_step=20,
+    )
     status = h.kube.status
     assert status["phase"] == "Suspended"
     assert status["resumedFromStep"] == 20
@@ -1347,28 +1354,26 @@ def test_a_suspend_after_a_memory_commit_not_yet_promoted_never_resumes_from_it(
 
 
 def test_a_suspend_after_a_memory_commit_a_rank_proves_promoted_resumes_from_it() -> None:
-    h = Harness()
-    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    h.running()
-    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
-    _suspend(h, True)
-    h.tick()
-    h.report_all(state="failed", step=35, trigger="notice", error="disk full",
-                 last_committed_step=30)  # fmt: skip
-    h.tick()
+    h = _memory_tier_job_suspended(
+        {"step": 30, "trigger": "notice", "tier": "memory"},
+        state="failed",
+        step=35,
+        trigger="notice",
+        error="disk full",
+        last_committed_step=30,
+    )
     status = h.kube.status
     assert (status["phase"], status["resumedFromStep"]) == ("Suspended", 30)
 
 
 def test_a_suspend_with_no_durable_step_behind_a_memory_commit_resumes_from_the_start() -> None:
-    h = Harness()
-    h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    h.running()
-    h.kube.status["lastCheckpoint"] = {"step": 30, "trigger": "notice", "tier": "memory"}
-    _suspend(h, True)
-    h.tick()
-    h.report_all(state="failed", step=35, trigger="notice", error="disk full")
-    h.tick()
+    h = _memory_tier_job_suspended(
+        {"step": 30, "trigger": "notice", "tier": "memory"},
+        state="failed",
+        step=35,
+        trigger="notice",
+        error="disk full",
+    )
     status = h.kube.status
     assert status["phase"] == "Suspended"
     assert status.get("resumedFromStep") is None
