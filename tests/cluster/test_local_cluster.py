@@ -65,10 +65,27 @@ def at_module_end() -> Iterator[contextlib.ExitStack]:
         yield stack
 
 
-@pytest.fixture
-def namespace(core: client.CoreV1Api) -> Iterator[str]:
+def new_namespace(core: client.CoreV1Api) -> str:
+    """A new namespace, returned once its ``default`` ServiceAccount exists.
+
+    The ServiceAccount controller creates it a moment after the namespace, and until then the
+    API server refuses every pod there (403: serviceaccount "default" not found), as on any
+    cluster: at load 5-7 a pod created at once was refused (fresh-clone run of 3b84fa8).
+    """
     name = f"t-{uuid.uuid4().hex[:8]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+
+    def default_account() -> bool:
+        accounts = core.list_namespaced_service_account(name).items
+        return any(a.metadata.name == "default" for a in accounts)
+
+    wait_for(f"the default ServiceAccount of namespace {name}", default_account, timeout=120)
+    return name
+
+
+@pytest.fixture
+def namespace(core: client.CoreV1Api) -> Iterator[str]:
+    name = new_namespace(core)
     yield name
     core.delete_namespace(name)
 
@@ -561,8 +578,7 @@ def test_aws_preemption_taints_then_kills_the_node(
 ) -> None:
     # A namespace of its own that outlives the test: deleting it would also ask to delete the
     # orphaned pod that pod GC is awaited to remove (below), so it goes only after that check.
-    namespace = f"t-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    namespace = new_namespace(core)
     at_module_end.callback(core.delete_namespace, namespace)
     node = local_cluster.add_node(spot=True)
     pod = run_pinned_sleeper(local_cluster, core, namespace, "victim", node)

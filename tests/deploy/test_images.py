@@ -36,8 +36,16 @@ COMPONENTS = {
             ROOT / "sidecar" / "baton_sidecar",
             # the torch-free SDK modules the sidecar imports (import-linter keeps torch out)
             *(
-                ROOT / "trainer_sdk" / f"{m}.py"
-                for m in ("control", "replication", "layout", "errors", "_version")
+                ROOT / "trainer_sdk" / m
+                for m in (
+                    "control.py",
+                    "wire.py",
+                    "replication.py",
+                    "format/__init__.py",
+                    "format/layout.py",
+                    "errors.py",
+                    "_version.py",
+                )
             ),
         ],
     ),
