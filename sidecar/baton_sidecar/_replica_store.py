@@ -268,6 +268,11 @@ class ReplicaStore:
                 with self._lock:
                     self._pending.pop((source, step), None)
 
+    def refused(self, source: str, step: int, name: str, why: str) -> ReplicationError:
+        """Record that one file of a replica was refused; the error to answer with."""
+        self.stats.fail(f"refused {name} of step {step} from {source}: {why}")
+        return ReplicationError(422, f"{name} refused: {why}; nothing was kept")
+
     def end_file(
         self,
         source: str,
@@ -289,8 +294,7 @@ class ReplicaStore:
                 if size != expected
                 else f"its {algorithm} is {got}, the manifest says {want}"
             )
-            self.stats.fail(f"refused {name} of step {step} from {source}: {why}")
-            raise ReplicationError(422, f"{name} refused: {why}; nothing was kept")
+            raise self.refused(source, step, name, why)
         os.replace(part, part.with_name(name))
         with self._lock:
             self._pending.setdefault((source, step), {})[name] = (algorithm, want, size)

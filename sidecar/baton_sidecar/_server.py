@@ -329,11 +329,17 @@ async def _put_replica(request: web.Request) -> web.Response:
                 # Each piece as it arrives (at most `chunk` bytes), hashed and written on the
                 # event loop: into memory (tmpfs) that is a fraction of a millisecond per MiB,
                 # cheaper than a hand-off to a thread and back.
-                async for data in request.content.iter_chunked(chunk):
-                    size += len(data)
-                    if size > expected:
-                        break
-                    _write_hashed(out, hasher, data)
+                try:
+                    async for data in request.content.iter_chunked(chunk):
+                        size += len(data)
+                        if size > expected:
+                            break
+                        _write_hashed(out, hasher, data)
+                except ConnectionError as e:
+                    # The sender went away mid-body (killed, its node gone): nothing is kept,
+                    # and it counts as a failed receive like a short or corrupt body does.
+                    why = f"the sender went away after {size} of {expected} bytes ({e})"
+                    raise replicator.store.refused(source, step, name, why) from e
             replicator.store.end_file(
                 source,
                 step,

@@ -283,7 +283,12 @@ def test_a_sender_killed_mid_file_leaves_no_usable_replica(
     assert proc.returncode == -signal.SIGKILL, proc
     assert b"half sent" in proc.stdout
     held = _fast(b) / "replicas" / SOURCE / _step(9)
-    wait_for(lambda: not (held / f"{shard}.part").exists(), what="the partial file to go")
+    # Not "until no .part file": that holds before the receiver has even begun the body. The
+    # receiver counts the broken-off body as a failed receive once it has dropped the part.
+    wait_for(
+        lambda: 'baton_replication_failures_total{op="receive"} 1.0' in b.metrics(),
+        what="the receiver to refuse the broken-off body",
+    )
     assert sorted(os.listdir(held)) == [json_name]
     # the manifest cannot complete it, the catalog does not list it, a fill does not use it
     r = _put(b, f"/v1/replicas/{SOURCE}/9/manifest.json", (src / "manifest.json").read_bytes(),
