@@ -37,23 +37,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import median, step_inputs, tensor_state, train_step  # bench/ is sys.path[0]
 from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _state_model(total_bytes: int, tensors: int = 16) -> nn.Module:
-    per = total_bytes // tensors // 4
-    params = nn.ParameterList(
-        [nn.Parameter(torch.randn(per // 1024, 1024), requires_grad=False) for _ in range(tensors)]
-    )
+    state = tensor_state(total_bytes, tensors)
+    params = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in state.values()])
     model = nn.Module()
     model.params = params
     return model
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
+_median = median
 
 
 def bench_blocking(root: Path, gib: float, repeat: int) -> dict[str, float]:
@@ -95,23 +93,14 @@ def bench_blocking(root: Path, gib: float, repeat: int) -> dict[str, float]:
     }
 
 
-def _train_step(w: torch.Tensor, x: torch.Tensor) -> None:
-    y = x
-    for _ in range(4):
-        y = torch.tanh(y @ w)
-    float(y.sum())
-
-
 def bench_slowdown(root: Path, gib: float, saves: int) -> dict[str, float]:
     """Steps during each background write, then as many steps with nothing running, right
     after: the two sets see the same machine, so a change in its load hits both."""
     from trainer_sdk import Checkpointer
 
-    torch.manual_seed(0)
-    w = torch.randn(768, 768) / 30
-    x = torch.randn(768, 768)
+    w, x = step_inputs()
     for _ in range(3):
-        _train_step(w, x)
+        train_step(w, x)
     undisturbed: list[float] = []
 
     model = _state_model(int(gib * (1 << 30)))
@@ -131,13 +120,13 @@ def bench_slowdown(root: Path, gib: float, saves: int) -> dict[str, float]:
         n = 0
         while not handle.done():
             t0 = time.perf_counter()
-            _train_step(w, x)
+            train_step(w, x)
             during.append(time.perf_counter() - t0)
             n += 1
         handle.wait()
         for _ in range(max(n, 5)):
             t0 = time.perf_counter()
-            _train_step(w, x)
+            train_step(w, x)
             undisturbed.append(time.perf_counter() - t0)
     ck.close()
     base = _median(undisturbed)
