@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import trainer_sdk
+from trainer_sdk.format.layout import DIGESTS
 from trainer_sdk.replication import REPLICATE, SidecarLink
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,8 +186,8 @@ def main() -> None:
         files = sorted(snap.iterdir())
         nbytes = sum(f.stat().st_size for f in files)
         manifest = json.loads((snap / "manifest.json").read_text())
-        algorithms = {("blake3" if "blake3" in e else "sha256") for e in manifest["files"].values()}
-        algorithm = "blake3" if "blake3" in algorithms else "sha256"
+        algorithms = {k for e in manifest["files"].values() for k in e if k in DIGESTS}
+        algorithm = next(a for a in ("xxh3_128", "blake3", "sha256") if a in algorithms)
         link = SidecarLink(root / "a" / "control")
         _wait(link.available, "the sidecar's advert")
         _wait(SidecarLink(root / "b" / "control").available, "the peer's advert")

@@ -18,8 +18,9 @@ timings are medians. Not a test: nothing here passes or fails.
 
 Fast media: the same save and a raw write of the same bytes to tmpfs (``--tmpfs``, the nearest
 stand-in here for a GPU node's local NVMe at 5-25 GB/s), with the CPU seconds per GiB of each,
-and the single-thread cost of each hash the format could use (sha256, BLAKE3, crc32) on the
-same bytes: on fast media the CPU, not the device, bounds a save.
+and the single-thread cost of each hash the format could use (sha256, BLAKE3, XXH3-128, crc32)
+on the same bytes: on fast media the CPU, not the device, bounds a save. The load average is
+printed before and after, since on a shared machine it moves the wall-clock ratio.
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def _hash_costs(state: dict[str, torch.Tensor]) -> dict[str, float]:
     import hashlib
 
     from blake3 import blake3
+    from xxhash import xxh3_128
 
     from trainer_sdk.format._crc import crc32
 
@@ -256,12 +258,17 @@ def _hash_costs(state: dict[str, torch.Tensor]) -> dict[str, float]:
         for v in views:
             h.update(v)
 
+    def xxh() -> None:
+        h = xxh3_128()
+        for v in views:
+            h.update(v)
+
     def crc() -> None:
         for v in views:
             crc32(v)
 
     out = {}
-    for name, fn in (("sha256", sha256), ("blake3", blake), ("crc32", crc)):
+    for name, fn in (("sha256", sha256), ("blake3", blake), ("xxh3_128", xxh), ("crc32", crc)):
         best = math.inf
         for _ in range(3):
             t0 = time.perf_counter()
@@ -277,6 +284,7 @@ def bench_tmpfs(base: Path, gib: float, runs: int) -> dict[str, Any]:
     tensors = list(state.values())
     wall: dict[str, list[float]] = {"raw": [], "trainer_sdk": []}
     cpu: dict[str, list[float]] = {"raw": [], "trainer_sdk": []}
+    load_before = os.getloadavg()[0]
     for run in range(runs):
         for name in ("raw", "trainer_sdk"):
             path = base / name
@@ -296,6 +304,7 @@ def bench_tmpfs(base: Path, gib: float, runs: int) -> dict[str, Any]:
         "wall": {k: statistics.median(v) for k, v in wall.items()},
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "hash": _hash_costs(state),
+        "load": (load_before, os.getloadavg()[0]),
     }
 
 
@@ -310,11 +319,15 @@ def tmpfs_table(where: str, data: dict[str, Any]) -> list[str]:
         f"| raw write of the same bytes | {w['raw']:.3f} | {gib / w['raw']:.2f} | "
         f"{c['raw'] / gib:.2f} | 1.00x |",
         f"| trainer_sdk.save | {w['trainer_sdk']:.3f} | {gib / w['trainer_sdk']:.2f} | "
-        f"{c['trainer_sdk'] / gib:.2f} | {w['raw'] / w['trainer_sdk']:.2f}x raw speed |",
+        f"{c['trainer_sdk'] / gib:.2f} | {w['raw'] / w['trainer_sdk']:.2f}x raw speed, "
+        f"{c['raw'] / c['trainer_sdk']:.2f}x raw CPU |",
         "",
         "Hashes on one thread, CPU s per GiB of the same bytes: "
         + ", ".join(f"{k} {v:.2f}" for k, v in h.items())
-        + " (format v2 hashes a shard with BLAKE3 and crc32 in two threads; v1 used sha256).",
+        + " (format v4 hashes a shard with XXH3-128 and crc32 in the writing thread; v2-v3 used"
+        " BLAKE3 and crc32 in two threads, v1 sha256).",
+        f"Load average (1 min) {data['load'][0]:.1f} before the runs, {data['load'][1]:.1f} "
+        f"after, on {os.cpu_count()} CPUs.",
     ]
 
 

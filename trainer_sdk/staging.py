@@ -18,7 +18,7 @@ Invariants, and why:
 * **The background write yields the CPU to training; its commit does not wait behind it.**
   The write of a save above ``normal_priority_below`` bytes (this rank's share; 16 MiB for the
   Checkpointer and :func:`async_save`) runs on a thread at a lower CPU priority (``nice`` +10
-  on Linux, per thread; the hashing threads it starts inherit it), so on a busy machine the
+  on Linux, per thread; it hashes what it writes itself), so on a busy machine the
   training step keeps its cores and the write takes what is left. The commit (the records'
   all-gather, the manifest, ``latest``) then runs on a thread at normal priority, and so does
   the whole of a smaller save: its write costs a few milliseconds of CPU, and at background

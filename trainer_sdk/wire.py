@@ -112,7 +112,8 @@ class SavePhase(enum.StrEnum):
     WRITE = "write"
     """Writing this rank's files."""
     HASH = "hash"
-    """Hashing this rank's shards; it overlaps ``write`` (not added to it)."""
+    """Hashing this rank's shards: part of ``write`` (the writing thread hashes what it writes;
+    not added to it)."""
     COMMIT = "commit"
     """Gathering every rank's record and writing the manifest."""
 

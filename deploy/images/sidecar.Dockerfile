@@ -19,8 +19,9 @@ COPY trainer_sdk/ trainer_sdk/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
 # The sidecar's runtime dependencies, the same pins as pyproject.toml's "# sidecar" group,
-# and blake3: the memory tier's replication checks shard digests (trainer_sdk.format.layout).
-RUN /opt/baton/bin/pip install "aiohttp>=3.9" "prometheus_client>=0.20" "blake3>=1.0" \
+# and xxhash and blake3: the memory tier's replication checks shard digests (XXH3-128 for
+# format v4, BLAKE3 for v2-v3; trainer_sdk.format.layout).
+RUN /opt/baton/bin/pip install "aiohttp>=3.9" "prometheus_client>=0.20" "xxhash>=3.0" "blake3>=1.0" \
  && /opt/baton/bin/pip install --no-deps .
 
 FROM ${PYTHON_IMAGE}

@@ -71,7 +71,7 @@ def test_verify_passes_then_names_the_corrupt_file(tmp_path: Path) -> None:
     bad = _cli("verify", str(tmp_path), "--step", "20")
     assert bad.returncode == 1
     assert "FAILED step 20" in bad.stdout
-    assert "rank-00000-of-00001.safetensors: blake3" in bad.stdout  # format v2 shards
+    assert "rank-00000-of-00001.safetensors: xxh3_128" in bad.stdout  # format v4 shards
 
     with open(shard, "r+b") as f:
         f.truncate(100)

@@ -59,12 +59,20 @@ def _ref(m: dict[str, Any]) -> str:
     return next(k for k, f in m["files"].items() if "step" in f)
 
 
+def _as_v2(m: dict[str, Any]) -> None:
+    """Mark ``m`` as v2 with the digests a v2 manifest may have (BLAKE3 for the shards)."""
+    m["version"] = 2
+    for f in m["files"].values():
+        if f.pop("xxh3_128", None) is not None:
+            f["blake3"] = "0" * 64
+
+
 def test_later_saves_reference_the_frozen_base(tmp_path: Path) -> None:
     m1, m2, m3 = _saves(tmp_path, 3)
-    assert m1.version == 2  # nothing to reference: a v2 reader reads it
+    assert m1.version == 4  # nothing to reference, but xxh3_128 digests: v4
     assert m1.referenced_steps() == set()
     for m in (m2, m3):
-        assert m.version == 3
+        assert m.version == 4
         assert m.referenced_steps() == {1}  # always the step that holds the bytes: one hop
         for key in ("model.0.weight", "model.0.bias"):
             (piece,) = m.tensors[key].pieces
@@ -87,7 +95,7 @@ def test_later_saves_reference_the_frozen_base(tmp_path: Path) -> None:
     [
         (lambda m, k: m["files"][k].update(step=2), "its key must be exactly"),
         (lambda m, k: m["files"][k].pop("step"), "names another step's file but has no 'step'"),
-        (lambda m, k: m.update(version=2), "format v2 does not have"),
+        (lambda m, k: _as_v2(m), "format v2 does not have"),
         (
             lambda m, k: m["files"].update({"../" + k: m["files"].pop(k)}),
             "its key must be exactly",
@@ -122,10 +130,25 @@ def test_a_v2_reader_refuses_v3_as_a_newer_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _saves(tmp_path, 2)
+    m1, m2 = _raw(tmp_path, 1), _raw(tmp_path, 2)
+    _as_v2(m1)  # as older Batons wrote them: BLAKE3 digests (v4 adds xxh3_128)
+    _as_v2(m2)
+    m2["version"] = 3
     monkeypatch.setattr(layout, "FORMAT_VERSION", 2)  # what a v2 Baton is
     with pytest.raises(UnsupportedFormatError, match="format version 3 is not supported"):
-        _parse(_raw(tmp_path, 2))
-    assert _parse(_raw(tmp_path, 1)).version == 2  # its own full steps it still reads
+        _parse(m2)
+    assert _parse(m1).version == 2  # its own full steps it still reads
+
+
+def test_a_v3_reader_refuses_v4_as_a_newer_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _saves(tmp_path, 2)
+    assert _parse(_raw(tmp_path, 1)).version == 4  # xxh3_128 digests: v4 with or without refs
+    monkeypatch.setattr(layout, "FORMAT_VERSION", 3)  # what a v3 Baton is
+    for step in (1, 2):
+        with pytest.raises(UnsupportedFormatError, match="format version 4 is not supported"):
+            _parse(_raw(tmp_path, step))
 
 
 def test_the_committer_refuses_a_reference_no_committed_step_backs(tmp_path: Path) -> None:
@@ -138,7 +161,7 @@ def test_the_committer_refuses_a_reference_no_committed_step_backs(tmp_path: Pat
         return dataclasses.replace(m2, step=3, files=files)
 
     forged = dict(m2.files)
-    forged[k] = dataclasses.replace(m2.files[k], blake3="0" * 64)  # not what step 1 committed
+    forged[k] = dataclasses.replace(m2.files[k], xxh3_128="0" * 32)  # not what step 1 committed
     with pytest.raises(CheckpointError, match=r"no complete step under .* committed"):
         _committing.commit_built_manifest(storage, as_step_3(forged), None)
     (tmp_path / m2.path_of(k)).rename(tmp_path / "aside")
@@ -181,9 +204,10 @@ def test_full_every_steps_bounds_how_far_a_reference_reaches(tmp_path: Path) -> 
     assert [sorted(m.referenced_steps()) for m in ms] == [[], [1], [], [3], []]
 
 
-def test_full_every_steps_1_writes_everything_as_v2(tmp_path: Path) -> None:
+def test_full_every_steps_1_references_nothing(tmp_path: Path) -> None:
     ms = _saves(tmp_path, 3, full_every_steps=1)
-    assert [m.version for m in ms] == [2, 2, 2]
+    assert [sorted(m.referenced_steps()) for m in ms] == [[], [], []]
+    assert [m.version for m in ms] == [4, 4, 4]
 
 
 def test_async_saves_reference_too(tmp_path: Path) -> None:

@@ -1,19 +1,33 @@
-"""write_shard's inline path: small views are hashed in the writing thread and gathered into
-one write; larger ones go to the hashing threads. A shard mixing both (in every order, around
-the threshold, split into blocks) must be the same file, digest and per-block crc32 as the
-pieces' bytes say, and read back bitwise by safetensors and by trainer_sdk.load."""
+"""write_shard hashes in the writing thread: small views are gathered into one write; larger
+ones are hashed and written HASH_PIECE bytes at a time, the crc32 of a block running over its
+pieces. A shard mixing both (in every order, around the threshold, split into blocks, blocks
+split into pieces) must be the same file, digest and per-block crc32 as the pieces' bytes say,
+and read back bitwise by safetensors and by trainer_sdk.load; a byte flipped inside a block's
+second piece, in a real file, is caught by a load and by ``verify``."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
-from blake3 import blake3
+from xxhash import xxh3_128_hexdigest
 
+import trainer_sdk
 from trainer_sdk import Checkpointer
-from trainer_sdk.format._safetensors_io import INLINE_BYTES, PieceSource, st_dtype, write_shard
+from trainer_sdk.errors import CorruptCheckpointError
+from trainer_sdk.format._safetensors_io import (
+    HASH_PIECE,
+    INLINE_BYTES,
+    PieceSource,
+    st_dtype,
+    write_shard,
+)
 
 
 class _Recorder:
@@ -47,9 +61,15 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def test_mixed_inline_and_threaded_pieces_are_hashed_and_written_in_order() -> None:
+@pytest.mark.parametrize(
+    "block",
+    [
+        INLINE_BYTES + 4096,  # "big" splits into blocks above and below the threshold
+        HASH_PIECE + 4096,  # "big" has a block of two pieces, the second a small one
+    ],
+)
+def test_gathered_and_piecewise_views_are_hashed_and_written_in_order(block: int) -> None:
     tensors = _tensors()
-    block = INLINE_BYTES + 4096  # "big" splits into blocks above and below the threshold
     pieces = [
         PieceSource(
             name=k,
@@ -66,7 +86,7 @@ def test_mixed_inline_and_threaded_pieces_are_hashed_and_written_in_order() -> N
     data = b"".join(writer.calls)
 
     assert len(data) == res.size
-    assert blake3(data).hexdigest() == res.blake3
+    assert xxh3_128_hexdigest(data) == res.xxh3_128
     # the small views before "over_threshold" went out in fewer calls than pieces
     assert len(writer.calls) < len(pieces) + 2
     back = safetensors.torch.load(data)
@@ -115,3 +135,40 @@ def test_memory_snapshot_of_mixed_tensor_sizes_restores_bitwise(tmp_path: Path) 
     got = dict(fresh.named_buffers())
     for k, t in tensors.items():
         assert torch.equal(got[k], t), k
+
+
+def test_a_byte_flipped_inside_a_block_is_caught_by_load_and_verify(tmp_path: Path) -> None:
+    """Real files, the default 8 MiB blocks: a tensor of two blocks and a bit, each block
+    hashed in HASH_PIECE pieces; the flipped byte is in the second piece of the second block,
+    so only a crc32 that ran over every piece of its block catches it."""
+    g = torch.Generator().manual_seed(11)
+    block = 8 << 20
+    state = {"w": torch.randn((2 * block + 12345) // 4, generator=g), "b": torch.randn(7)}
+    trainer_sdk.save(state, str(tmp_path), step=1)
+    step = tmp_path / "step-000000000001"
+    manifest = json.loads((step / "manifest.json").read_text())
+    ((piece,),) = [t["pieces"] for k, t in manifest["tensors"].items() if k == "w"]
+    shard = step / piece["file"]
+    data = shard.read_bytes()
+    raw = data[piece["begin"] : piece["end"]]
+    assert piece["crc32"] == [zlib.crc32(raw[o : o + block]) for o in range(0, len(raw), block)]
+    assert manifest["files"][piece["file"]]["xxh3_128"] == xxh3_128_hexdigest(data)
+    back = {"w": torch.zeros_like(state["w"]), "b": torch.zeros(7)}
+    trainer_sdk.load(back, str(tmp_path))
+    assert torch.equal(back["w"], state["w"])
+    assert torch.equal(back["b"], state["b"])
+
+    bad = bytearray(data)
+    bad[piece["begin"] + block + HASH_PIECE + 100] ^= 0x10
+    shard.write_bytes(bytes(bad))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w', block 1"):
+        trainer_sdk.load(back, str(tmp_path))
+    verify = subprocess.run(
+        [sys.executable, "-m", "trainer_sdk", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert f"{piece['file']}: xxh3_128" in verify.stdout

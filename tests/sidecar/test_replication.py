@@ -44,9 +44,9 @@ def _snapshot(fast: Path, step: int, numel: int = 1 << 16) -> None:
 
 
 def _digest(manifest: dict[str, Any], name: str) -> str:
-    """The X-Baton-Digest value of a file: the manifest's BLAKE3 if recorded, else sha256."""
+    """The X-Baton-Digest value of a file: the digest the manifest records for it."""
     entry = manifest["files"][name]
-    algorithm = "blake3" if "blake3" in entry else "sha256"
+    algorithm = next(a for a in ("xxh3_128", "blake3", "sha256") if a in entry)
     return f"{algorithm}={entry[algorithm]}"
 
 

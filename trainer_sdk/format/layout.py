@@ -44,7 +44,9 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
     "PLAIN_VERSION",
+    "REFERENCES_VERSION",
     "REF_RE",
+    "SHARD_DIGEST",
     "STEP_DIR_RE",
     "FileEntry",
     "Hasher",
@@ -59,6 +61,7 @@ __all__ = [
     "file_path",
     "header_length",
     "json_name",
+    "lowest_version",
     "new_hasher",
     "parse_latest",
     "parse_safetensors_header",
@@ -69,18 +72,29 @@ __all__ = [
 ]
 
 FORMAT_NAME: Final = "baton-checkpoint"
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
 """The newest format version, which this Baton writes and reads (with every older one); a
 newer one is an UnsupportedFormatError. v2 recorded a shard's whole-file digest as BLAKE3
-(``blake3``) instead of sha256: about a quarter of sha256's CPU time, so hashing no longer caps
-a save to fast media (tmpfs, NVMe); v1 checkpoints (sha256 for every file) are still read.
-v3 = v2 + references: a ``files`` entry may name a shard committed by an earlier step of the
-same root (``"step": S``, key ``step-SSSSSSSSSSSS/rank-…safetensors``) instead of a file of
-this step. Only manifests that reference are written as v3 (:data:`PLAIN_VERSION`)."""
+(``blake3``) instead of sha256: about a quarter of sha256's CPU time; v1 checkpoints (sha256
+for every file) are still read. v3 = v2 + references: a ``files`` entry may name a shard
+committed by an earlier step of the same root (``"step": S``, key
+``step-SSSSSSSSSSSS/rank-…safetensors``) instead of a file of this step. v4 = v3 + the
+``xxh3_128`` digest (XXH3-128, 32 hex digits), which this Baton records for every shard: a
+sixth of BLAKE3's CPU time, so that hashing no longer caps a save to fast media (tmpfs,
+NVMe; see ``_safetensors_io``). A v3 reader refuses a v4 manifest as a newer version, never
+as a bad checkpoint."""
+DIGEST_VERSIONS: Final = {"sha256": 1, "blake3": 2, "xxh3_128": 4}
+"""Whole-file digests a manifest may record, by key, and the first format version with each."""
+DIGESTS: Final = tuple(DIGEST_VERSIONS)
+_DIGEST_HEX: Final = {"sha256": 64, "blake3": 64, "xxh3_128": 32}
+"""Lowercase hex digits of each digest."""
+SHARD_DIGEST: Final = "xxh3_128"
+"""The digest this Baton records for the shards it writes (the small JSON files: sha256)."""
 PLAIN_VERSION: Final = 2
-"""The version of a manifest without references, so that a v2 reader still reads it."""
-DIGESTS: Final = ("sha256", "blake3")
-"""Whole-file digests a manifest may record, by key; each is 64 lowercase hex digits."""
+"""The version of a manifest without references whose files have sha256 or BLAKE3 digests
+(what Baton wrote before v4), so that a v2 reader still reads it."""
+REFERENCES_VERSION: Final = 3
+"""The first version whose ``files`` may reference earlier steps' shards."""
 MANIFEST: Final = "manifest.json"
 LATEST: Final = "latest"
 MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
@@ -96,7 +110,7 @@ FILE_RE: Final = re.compile(r"rank-(\d{5})-of-(\d{5})\.(safetensors|json)")
 REF_RE: Final = re.compile(r"step-(\d{12})/(rank-(\d{5})-of-(\d{5})\.safetensors)")
 """The ``files`` key of a referenced shard (v3): exactly an earlier step directory of the same
 root and a shard name in it; nothing else (no ``..``, nothing absolute, never a JSON file)."""
-_SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_HEX_RE: Final = re.compile(r"[0-9a-f]+")
 _MAX_KEY_LEN: Final = 4096
 _MAX_DIMS: Final = 64
 
@@ -199,7 +213,9 @@ class FileEntry:
     """Hex sha256 of the whole file, computed while it was written (every v1 file, and the
     small JSON files of v2: any tool can check them with ``sha256sum``)."""
     blake3: str | None = None
-    """Hex BLAKE3 of the whole file (v2 shards), computed while it was written."""
+    """Hex BLAKE3 of the whole file (v2-v3 shards), computed while it was written."""
+    xxh3_128: str | None = None
+    """Hex XXH3-128 of the whole file (v4 shards), computed while it was written."""
     data_start: int | None = None
     """For shards: offset of the safetensors data section (8 + header length)."""
     step: int | None = None
@@ -208,12 +224,15 @@ class FileEntry:
     committed, so a reference is verified exactly like an own file."""
 
     def __post_init__(self) -> None:
-        if self.sha256 is None and self.blake3 is None:
-            raise ValueError("a FileEntry needs a sha256 or a blake3 digest")
+        if self.sha256 is None and self.blake3 is None and self.xxh3_128 is None:
+            raise ValueError("a FileEntry needs a sha256, blake3 or xxh3_128 digest")
 
     @property
     def digest(self) -> tuple[str, str]:
-        """``(algorithm, hex digest)`` to check the file against: BLAKE3 when recorded."""
+        """``(algorithm, hex digest)`` to check the file against (a file has one digest; a
+        hand-made entry with several is checked against the newest kind)."""
+        if self.xxh3_128 is not None:
+            return "xxh3_128", self.xxh3_128
         if self.blake3 is not None:
             return "blake3", self.blake3
         assert self.sha256 is not None
@@ -226,6 +245,7 @@ class FileEntry:
             size=f["size"],
             sha256=f.get("sha256"),
             blake3=f.get("blake3"),
+            xxh3_128=f.get("xxh3_128"),
             data_start=f.get("data_start"),
             step=f.get("step"),
         )
@@ -236,6 +256,8 @@ class FileEntry:
             out["sha256"] = self.sha256
         if self.blake3 is not None:
             out["blake3"] = self.blake3
+        if self.xxh3_128 is not None:
+            out["xxh3_128"] = self.xxh3_128
         if self.data_start is not None:
             out["data_start"] = self.data_start
         if self.step is not None:
@@ -244,11 +266,22 @@ class FileEntry:
 
 
 class Hasher(Protocol):
-    """What ``hashlib.sha256()`` and ``blake3.blake3()`` have in common."""
+    """What ``hashlib.sha256()``, ``blake3.blake3()`` and ``xxhash.xxh3_128()`` have in common."""
 
     def update(self, data: memoryview | bytes, /) -> Any: ...
 
     def hexdigest(self) -> str: ...
+
+
+def lowest_version(files: Mapping[str, FileEntry]) -> int:
+    """The lowest format version that has everything in ``files`` (its digests, references),
+    so that a manifest is readable by as many Baton versions as can read it."""
+    version = PLAIN_VERSION
+    for f in files.values():
+        if f.step is not None:
+            version = max(version, REFERENCES_VERSION)
+        version = max(version, DIGEST_VERSIONS[f.digest[0]])
+    return version
 
 
 def new_hasher(algorithm: str) -> Hasher:
@@ -259,6 +292,10 @@ def new_hasher(algorithm: str) -> Hasher:
         from blake3 import blake3
 
         return blake3()
+    if algorithm == "xxh3_128":
+        from xxhash import xxh3_128
+
+        return xxh3_128()
     raise ValueError(f"unknown digest {algorithm!r}: use one of {DIGESTS}")
 
 
@@ -339,8 +376,9 @@ class Manifest:
     block_size: int
     files: Mapping[str, FileEntry]
     tensors: Mapping[str, TensorEntry]
-    version: int = PLAIN_VERSION
-    """v3 (:data:`FORMAT_VERSION`) when it references earlier steps' files, else v2."""
+    version: int = FORMAT_VERSION
+    """The lowest version that has everything the manifest records (see
+    :func:`lowest_version`), so that older readers read what they can."""
     attempt: int = 0
     """The writer's attempt (``BATON_ATTEMPT``, or a generation derived outside Kubernetes);
     0 for manifests written before attempts were recorded. A writer whose attempt is older
@@ -475,14 +513,16 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
             if int(m.group(1)) >= int(m.group(2)):
                 raise ManifestError(f"file {name!r}: its rank is outside its world")
         size = _int(f, "size")
-        # v1 has sha256 for every file; v2 one digest per file, sha256 or blake3.
-        allowed = DIGESTS if version >= 2 else ("sha256",)
+        # v1 has sha256 for every file; v2 one digest per file, sha256 or blake3; v4 adds
+        # xxh3_128.
+        allowed = tuple(k for k, v in DIGEST_VERSIONS.items() if v <= version)
         digests = {k: f[k] for k in allowed if k in f}
         if not digests:
             raise ManifestError(f"files[{name!r}] has no {' or '.join(allowed)} digest")
         for key, value in digests.items():
-            if not isinstance(value, str) or not _SHA256_RE.fullmatch(value):
-                raise ManifestError(f"files[{name!r}].{key} must be 64 lowercase hex digits")
+            n = _DIGEST_HEX[key]
+            if not isinstance(value, str) or len(value) != n or not _HEX_RE.fullmatch(value):
+                raise ManifestError(f"files[{name!r}].{key} must be {n} lowercase hex digits")
         data_start = None
         if m.group(3) == "safetensors":
             data_start = _int(f, "data_start", lo=8, hi=8 + MAX_HEADER_BYTES)
@@ -494,6 +534,7 @@ def _parse_manifest(obj: Any, step: int | None) -> Manifest:
             size=size,
             sha256=digests.get("sha256"),
             blake3=digests.get("blake3"),
+            xxh3_128=digests.get("xxh3_128"),
             data_start=data_start,
             step=ref_step,
         )
@@ -534,7 +575,7 @@ def _ref_step(name: object, f: Mapping[str, Any], version: int, mstep: int) -> i
         if isinstance(name, str) and REF_RE.fullmatch(name):
             raise ManifestError(f"files[{name!r}] names another step's file but has no 'step'")
         return None
-    if version < FORMAT_VERSION:
+    if version < REFERENCES_VERSION:
         raise ManifestError(
             f"files[{name!r}] has a 'step' (a reference), which format v{version} does not have"
         )

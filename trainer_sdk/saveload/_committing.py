@@ -33,13 +33,12 @@ from trainer_sdk.errors import (
 from trainer_sdk.format import _catalog
 from trainer_sdk.format.layout import (
     BLOCK_SIZE,
-    FORMAT_VERSION,
     LATEST,
-    PLAIN_VERSION,
     FileEntry,
     Manifest,
     Piece,
     TensorEntry,
+    lowest_version,
     parse_latest,
 )
 from trainer_sdk.saveload._collectives import all_gather_json, broadcast_json, group_rank_world
@@ -202,16 +201,14 @@ def build_manifest(
         if m["kind"] == "rank_local" and ps:
             shape, dtype = ps[0].shape, ps[0].dtype
         tensors[key] = TensorEntry(kind=m["kind"], dtype=dtype, shape=shape, pieces=ps)
-    version = PLAIN_VERSION
     if references is not None and references.tensors:
-        version = FORMAT_VERSION
         files.update(references.files)
         for key, entry in references.tensors.items():
             if pieces.get(key):
                 raise CheckpointError(f"tensor {key!r} is both written and referenced")
             tensors[key] = entry
     return Manifest(
-        version=version,
+        version=lowest_version(files),
         step=step,
         world_size=world,
         trigger=trigger,

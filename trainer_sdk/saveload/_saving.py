@@ -141,7 +141,7 @@ def write_rank(
     _refuse_if_committed(storage, step)
     storage.write_atomic(file_path(step, jname), jdata)
     files = {
-        sname: FileEntry(size=res.size, blake3=res.blake3, data_start=res.data_start),
+        sname: FileEntry(size=res.size, xxh3_128=res.xxh3_128, data_start=res.data_start),
         jname: FileEntry(size=len(jdata), sha256=hashlib.sha256(jdata).hexdigest()),
     }
     meta: dict[str, dict[str, Any]] = {}

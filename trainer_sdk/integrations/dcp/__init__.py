@@ -12,7 +12,7 @@ strategies, verl, Ray Train, a hand-written FSDP2 loop) writes Baton checkpoints
     dcp.load(state, storage_reader=BatonReader("s3://bucket/run"), planner=BatonLoadPlanner())
 
 What a step written this way is: Baton's format (``docs/format.md``): one safetensors shard per
-rank, holding the chunks DCP's planner gave that rank, with a crc32 per block and a BLAKE3 of the
+rank, holding the chunks DCP's planner gave that rank, with a crc32 per block and an XXH3-128 of the
 file; the per-rank JSON files; and the JSON manifest, created exclusively by the coordinator as
 the commit, after the fencing check, then ``latest``. DCP's own planners decide who writes what
 (their de-duplication of replicated tensors and DTensor shards included) and, on load, which

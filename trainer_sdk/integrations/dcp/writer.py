@@ -171,7 +171,7 @@ class BatonWriter(StorageWriter):
             metadata={"writer": "torch.distributed.checkpoint"},
         )  # fmt: skip
         file = {"name": sname, **FileEntry(
-            size=res.size, blake3=res.blake3, data_start=res.data_start
+            size=res.size, xxh3_128=res.xxh3_128, data_start=res.data_start
         ).to_json()}  # fmt: skip
         for (item, name), src in zip(tensor_items, sources, strict=True):
             td = item.tensor_data
