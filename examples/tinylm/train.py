@@ -21,6 +21,11 @@ on its command line, the script's too, as an abbreviation of its own, and ``--lo
 ``--log-dir`` and ``--logs-specs`` ("ambiguous option", exit 2;
 ``tests/foundation/test_tinylm_recipe.py`` runs the recipe above as written).
 
+``--d-model`` and ``--n-layers`` (or ``TINYLM_D_MODEL``, ``TINYLM_N_LAYERS``) size the model: the
+default 64 x 2 is a state of about 1.3 MiB (weights and AdamW's moments), 1024 x 2 about 290
+MiB, whose save is no longer free (``bench/goodput.py`` runs that). The loss log's ``done``
+event gives the state's size in bytes.
+
 ``--plain-checkpoint-dir DIR`` turns Baton off and checkpoints the way most training scripts do
 today: every ``--plain-every-steps`` steps, rank 0 writes the model, optimizer and scheduler
 state with ``torch.save`` to ``DIR/step-N.pt``, and a restarted run resumes from the newest file
@@ -184,6 +189,14 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in the model's and the optimizer's state (what a save writes)."""
+    tensors = list(model.state_dict().values())
+    for per_param in optimizer.state_dict()["state"].values():
+        tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 # --------------------------------------------------------------------------- the baseline
 
 
@@ -274,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         help="no Baton: torch.save checkpoints to this directory (the benchmark's baseline)",
     )
     parser.add_argument("--plain-every-steps", type=int, default=10)
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=int(os.environ.get("TINYLM_D_MODEL", "64")),
+        help="width; with --n-layers sets the state's size (about 12 x 12 x d^2 x layers bytes)",
+    )
+    parser.add_argument("--n-layers", type=int, default=int(os.environ.get("TINYLM_N_LAYERS", "2")))
     args = parser.parse_args(argv)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -286,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     text = generate_corpus(4000, seed=args.seed)
     data = CharWindows(text, context=64)
-    cfg = ModelConfig(vocab_size=data.vocab_size, context=64)
+    cfg = ModelConfig(
+        vocab_size=data.vocab_size, context=64, d_model=args.d_model, n_layers=args.n_layers
+    )
     model: nn.Module = TinyLM(cfg)
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -392,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         digest = weights_sha256(core)
         print(f"tinylm: done at step {args.steps}; weights sha256 {digest}", flush=True)
         if log:
-            log.write(json.dumps({"event": "done", "step": args.steps, "sha256": digest}) + "\n")
+            done = {"event": "done", "step": args.steps, "sha256": digest}
+            log.write(json.dumps({**done, "state_bytes": state_bytes(core, optimizer)}) + "\n")
     if log:
         log.close()
     # EX_TEMPFAIL after an emergency save: the operator then knows this rank stopped for a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -57,3 +58,46 @@ def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
     assert trained, rows
     assert max(trained) == steps, rows
     assert trainer_sdk.list_steps(str(tmp_path / "ckpt")), "the run saved no checkpoint"
+
+
+_ITEMSIZE = {"F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BF16": 2, "F16": 2, "BOOL": 1}
+
+
+def test_the_size_flags_set_the_state_that_the_checkpoint_holds(tmp_path: Path) -> None:
+    """``--d-model``/``--n-layers`` (what ``bench/goodput.py`` sizes its state with) shape the
+    model, and the size the run reports at its end is what its checkpoint holds."""
+    sizes = {}
+    for d_model, n_layers in ((32, 1), (64, 3)):
+        run = tmp_path / f"d{d_model}-l{n_layers}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
+        env.pop("WORLD_SIZE", None)
+        argv = ["--steps", "2", "--every-steps", "2", "--uri", str(run / "ckpt")]
+        argv += ["--loss-log", str(run / "loss.jsonl"), "--d-model", str(d_model)]
+        argv += ["--n-layers", str(n_layers)]
+        proc = subprocess.run(
+            [sys.executable, str(TRAIN), *argv],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
+        done = [r for r in rows if r.get("event") == "done"]
+        assert len(done) == 1, rows
+        manifest = json.loads((run / "ckpt" / "step-000000000002" / "manifest.json").read_text())
+        blocks = [f"blocks.{i}." for i in range(n_layers)]
+        assert all(any(b in key for key in manifest["tensors"]) for b in blocks), manifest
+        assert f"blocks.{n_layers}." not in json.dumps(manifest["tensors"])
+        qkv = manifest["tensors"]["model.blocks.0.qkv.weight"]["shape"]
+        assert qkv == [3 * d_model, d_model]
+        held = sum(
+            math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]]
+            for key, t in manifest["tensors"].items()
+            if key.startswith(("model.", "optimizer."))
+        )
+        assert done[0]["state_bytes"] == held
+        sizes[d_model, n_layers] = held
+    assert sizes[64, 3] > 4 * sizes[32, 1]
