@@ -94,22 +94,41 @@ def baton_job(
     # keepLast high: every checkpoint stays in the bucket, so its bytes can be counted.
     checkpoint: dict[str, Any] = {"uri": uri, "everySteps": args.every_steps, "keepLast": 10_000}
     if fast:
-        checkpoint |= {"fastEverySteps": args.fast_every_steps, "fastSizeLimit": "64Mi"}
+        checkpoint |= {
+            "fastEverySteps": args.fast_every_steps, "fastSizeLimit": args.fast_size_limit
+        }  # fmt: skip
     env = [
         {"name": "TINYLM_LOG", "value": str(log)},
-        {"name": "TINYLM_STEP_SLEEP", "value": str(args.step_sleep)},
+        *model_env(args),
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         *storage_env,
     ]
     return training_job(
         JOB, JOB_NS, image="tinylm:bench",
-        command=["python", str(TRAIN), "--steps", str(args.steps)],
+        command=["python", str(TRAIN), "--steps", str(args.steps), *batch_args(args)],
         env=env, replicas=RANKS, checkpoint=checkpoint,
         failure_policy={"maxFailures": 100, "backoffSeconds": 1},
         master_port=free_port(), restricted=True,
         pod={"nodeSelector": {"karpenter.sh/capacity-type": "spot"},
              "tolerations": [SPOT_TOLERATION]},
     )  # fmt: skip
+
+
+def model_env(args: argparse.Namespace) -> list[dict[str, str]]:
+    """The model's size and the step's sleep, the same for every method, and one intra-op
+    thread per rank: a node of the local cluster is not a CPU set, and two ranks of two
+    threads each on two cores ran their steps 2-2.5x slower (measured: 1.1-1.2 s against 0.45-0.5
+    s at 1024 x 2), and a Baton rank only until its first save (see docs/performance.md)."""
+    return [
+        {"name": "OMP_NUM_THREADS", "value": "1"},
+        {"name": "TINYLM_STEP_SLEEP", "value": str(args.step_sleep)},
+        {"name": "TINYLM_D_MODEL", "value": str(args.d_model)},
+        {"name": "TINYLM_N_LAYERS", "value": str(args.n_layers)},
+    ]
+
+
+def batch_args(args: argparse.Namespace) -> list[str]:
+    return ["--batch-size", str(args.batch_size)]
 
 
 def plain_job(args: argparse.Namespace, directory: Path, log: Path) -> dict[str, Any]:
@@ -125,11 +144,11 @@ def plain_job(args: argparse.Namespace, directory: Path, log: Path) -> dict[str,
         "command": [
             "python", str(TRAIN), "--steps", str(args.steps),
             "--plain-checkpoint-dir", str(directory),
-            "--plain-every-steps", str(args.every_steps),
+            "--plain-every-steps", str(args.every_steps), *batch_args(args),
         ],
         "env": [
             {"name": "TINYLM_LOG", "value": str(log)},
-            {"name": "TINYLM_STEP_SLEEP", "value": str(args.step_sleep)},
+            *model_env(args),
             {"name": "PYTHONUNBUFFERED", "value": "1"},
             {"name": "WORLD_SIZE", "value": str(RANKS)},
             {"name": "RANK", "valueFrom": {"fieldRef": {
@@ -172,12 +191,32 @@ def plain_job(args: argparse.Namespace, directory: Path, log: Path) -> dict[str,
 # --------------------------------------------------------------------------- interruptions
 
 
+DOOMED: dict[str, float] = {}
+"""Nodes given a notice, by when they go away (this process's runs: one benchmark)."""
+
+
 def take_node(cluster: Any, node: str, kind: str) -> str:
     if kind == "kill":
         cluster.kill_node(node)
         return "no notice"
-    cluster.preempt(node, provider=kind, grace_s=NOTICE_SECONDS[kind])  # type: ignore[index]
+    grace = NOTICE_SECONDS[kind]  # type: ignore[index]
+    cluster.preempt(node, provider=kind, grace_s=grace)
+    DOOMED[node] = time.time() + grace
     return f"{kind} notice"
+
+
+def wait_doomed(cluster: Any) -> None:
+    """Wait until every node given a notice is gone, so that the next method's pods cannot land
+    on a node that the last method's schedule condemned (a pod of the baseline, which ignores
+    notices, would die there: an interruption that is not in the schedule)."""
+    while DOOMED:
+        alive = set(cluster.nodes())
+        for node in [n for n in DOOMED if n not in alive]:
+            del DOOMED[node]
+        if DOOMED:
+            left = max(DOOMED.values()) - time.time()
+            say(f"waiting for {len(DOOMED)} node(s) under notice to go ({max(left, 0):.0f}s)")
+            time.sleep(min(max(left, 1.0), 10.0))
 
 
 def first_step_time(log: Path) -> float | None:
@@ -339,6 +378,7 @@ def measure_run(
         "restart_s": restarts,
         "bytes_written": bytes_written,
         "sha256": str(done[-1]["sha256"]) if done else None,
+        "state_bytes": int(done[-1].get("state_bytes", 0)) if done else None,
         "status_interruptions": status.get("interruptions") or [],
         "curve": [(float(e["time"]) - run["applied"], int(e["step"])) for e in losses],
     }
@@ -421,6 +461,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.3)
     p.add_argument("--every-steps", type=int, default=25, help="periodic checkpoints (all)")
     p.add_argument("--fast-every-steps", type=int, default=1, help="baton-memory's interval")
+    p.add_argument(
+        "--fast-size-limit", default="64Mi",
+        help="baton-memory's checkpoint.fastSizeLimit (docs/operator.md: (2 + 2 x replicas) x "
+        "the state / 2, and the whole state for a restore from memory)",
+    )  # fmt: skip
+    p.add_argument("--d-model", type=int, default=64, help="tinylm's width")
+    p.add_argument("--n-layers", type=int, default=2, help="tinylm's depth")
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--seed", type=int, default=30)
     p.add_argument("--mtbi", type=float, default=60.0, help="mean seconds between interruptions")
     p.add_argument("--mix", default="0.4,0.3,0.3", help="shares of aws, gke, no-notice")
@@ -472,6 +520,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         demo.install_operator()
         for i, method in enumerate(args.methods):
             if i:
+                wait_doomed(demo.cluster)
                 demo.next_run(method)
             else:
                 demo.label, demo.loss_log = method, out / f"loss-{method}.jsonl"
@@ -537,8 +586,11 @@ def render(data: dict[str, Any], out: Path) -> None:
     """``goodput.md`` and ``goodput.png`` from what ``goodput.json`` holds."""
     rows, args = data["rows"], data["args"]
     mix = args["mix"].replace(",", "/")
+    sizes = [r["state_bytes"] for r in rows if r.get("state_bytes")]
+    model = f"tinylm d{args.get('d_model', 64)} x {args.get('n_layers', 2)} layers"
+    state = f", state {sizes[0] / 2**20:.0f} MiB" if sizes else ""
     title = (
-        f"tinylm, 2 spot ranks, {args['steps']} steps; seed {args['seed']}, mean "
+        f"{model}{state}, 2 spot ranks, {args['steps']} steps; seed {args['seed']}, mean "
         f"{float(args['mtbi']):.0f}s between interruptions (aws/gke/none {mix}); x: interruption"
     )
     plot(rows, out / "goodput.png", title)
