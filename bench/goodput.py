@@ -30,10 +30,15 @@ durable storage (Baton: the objects in the bucket, with ``keepLast`` high so tha
 deleted; the baseline: the ``torch.save`` files; memory-tier snapshots are not counted);
 whether the final weights are bitwise equal to the uninterrupted run's.
 
-Usage (the run in docs/performance.md: 22 minutes on 2 loaded cores, binaries cached)::
+Usage (the run in docs/performance.md, a 290 MiB state: about 50 minutes on 2 cores, binaries
+cached, and about 10 GiB of free disk for the checkpoints it keeps)::
 
-    .venv/bin/python bench/goodput.py --out goodput-out --steps 150 --step-sleep 0.3 \\
-        --every-steps 15 --mtbi 45 --min-gap 30 --seed 30 [--methods ...] [--schedule FILE]
+    .venv/bin/python bench/goodput.py --out goodput-out --steps 1000 --step-sleep 0 \\
+        --every-steps 100 --fast-every-steps 10 --fast-size-limit 1Gi --d-model 1024 \\
+        --n-layers 2 --batch-size 2 --mtbi 240 --min-gap 120 --seed 30 \\
+        [--methods ...] [--schedule FILE]
+
+The demo's small model (``--d-model 64 --n-layers 2``, the defaults) runs in minutes.
 
 ``--render OUT/goodput.json`` writes the table and the plot again from a finished run.
 
@@ -49,6 +54,7 @@ import json
 import signal
 import statistics
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -444,7 +450,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.plot([t], [i["at_step"]], "x", color=color, markersize=7)
     ax.set_xlabel("wall time since the job was applied (min)")
     ax.set_ylabel("training step reached")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.legend(loc="lower right", fontsize=8, markerscale=4)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -501,6 +507,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     if args.render is not None:
         data = json.loads(args.render.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
         render(data, args.out.resolve())
         return data
     signal.signal(signal.SIGTERM, _on_sigterm)  # stop the cluster and the S3 server on exit
