@@ -34,15 +34,13 @@ def _recipe() -> list[str]:
     return shlex.split(found[0])
 
 
-def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
-    argv = _recipe()
-    assert "--loss-log" in argv
-    assert "--log" not in argv
-    args = [str(tmp_path / a[len("/tmp/") :]) if a.startswith("/tmp/") else a for a in argv[1:]]
+def _run_tinylm(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """``command`` in the repository, outside any job (no Baton or torchrun environment), which
+    must exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args],
+        [sys.executable, *command],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -51,6 +49,15 @@ def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
+    argv = _recipe()
+    assert "--loss-log" in argv
+    assert "--log" not in argv
+    args = [str(tmp_path / a[len("/tmp/") :]) if a.startswith("/tmp/") else a for a in argv[1:]]
+    proc = _run_tinylm(["-m", "torch.distributed.run", *args])
     assert "tinylm: world 2" in proc.stdout, proc.stdout
     steps = int(argv[argv.index("--steps") + 1])
     rows = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
@@ -69,21 +76,10 @@ def test_the_size_flags_set_the_state_that_the_checkpoint_holds(tmp_path: Path) 
     sizes = {}
     for d_model, n_layers in ((32, 1), (64, 3)):
         run = tmp_path / f"d{d_model}-l{n_layers}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
-        env.pop("WORLD_SIZE", None)
         argv = ["--steps", "2", "--every-steps", "2", "--uri", str(run / "ckpt")]
         argv += ["--loss-log", str(run / "loss.jsonl"), "--d-model", str(d_model)]
         argv += ["--n-layers", str(n_layers)]
-        proc = subprocess.run(
-            [sys.executable, str(TRAIN), *argv],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        _run_tinylm([str(TRAIN), *argv])
         rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
         done = [r for r in rows if r.get("event") == "done"]
         assert len(done) == 1, rows
