@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import trainer_sdk
+from trainer_sdk.format.layout import DTYPE_SIZES, MANIFEST, step_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "tinylm" / "train.py"
@@ -67,9 +68,6 @@ def test_the_documented_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
     assert trainer_sdk.list_steps(str(tmp_path / "ckpt")), "the run saved no checkpoint"
 
 
-_ITEMSIZE = {"F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BF16": 2, "F16": 2, "BOOL": 1}
-
-
 def test_the_size_flags_set_the_state_that_the_checkpoint_holds(tmp_path: Path) -> None:
     """``--d-model``/``--n-layers`` (what ``bench/goodput.py`` sizes its state with) shape the
     model, and the size the run reports at its end is what its checkpoint holds."""
@@ -83,14 +81,14 @@ def test_the_size_flags_set_the_state_that_the_checkpoint_holds(tmp_path: Path) 
         rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
         done = [r for r in rows if r.get("event") == "done"]
         assert len(done) == 1, rows
-        manifest = json.loads((run / "ckpt" / "step-000000000002" / "manifest.json").read_text())
+        manifest = json.loads((run / "ckpt" / step_dir(2) / MANIFEST).read_text())
         blocks = [f"blocks.{i}." for i in range(n_layers)]
         assert all(any(b in key for key in manifest["tensors"]) for b in blocks), manifest
         assert f"blocks.{n_layers}." not in json.dumps(manifest["tensors"])
         qkv = manifest["tensors"]["model.blocks.0.qkv.weight"]["shape"]
         assert qkv == [3 * d_model, d_model]
         held = sum(
-            math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]]
+            math.prod(t["shape"]) * DTYPE_SIZES[t["dtype"]]
             for key, t in manifest["tensors"].items()
             if key.startswith(("model.", "optimizer."))
         )
