@@ -69,6 +69,7 @@ def outputs() -> dict[Path, str]:
                 "workloadRules": rbac.workload_rules(),
                 "nodeRules": rbac.node_rules(),
                 "selfRules": rbac.self_rules(),
+                "nodeLeaseRules": rbac.node_lease_rules(),
             },
             sort_keys=False,
             width=100,

@@ -94,6 +94,13 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tick-seconds", type=float, default=d.tick_seconds)
     p.add_argument("--progress-poll-seconds", type=float, default=d.progress_poll_seconds)
     p.add_argument("--node-lost-seconds", type=int, default=d.node_lost_seconds)
+    p.add_argument(
+        "--peer-lost-seconds", type=_seconds_or_auto, default=d.peer_lost_seconds,
+        metavar="SECONDS|auto",
+        help="a node a job's ranks stopped hearing from is lost once its node Lease goes "
+        "unrenewed this long (default auto: two of the kubelet's renew intervals, read from "
+        "the Lease; 0: wait for NotReady and --node-lost-seconds)",
+    )  # fmt: skip
     p.add_argument("--delete-grace-seconds", type=int, default=d.delete_grace_seconds)
     p.add_argument(
         "--grace", action="append", default=[], metavar="NAME=SECONDS",
@@ -116,6 +123,19 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         f"one pseudo-interval (default {d.interval_prior_seconds:.0f})",
     )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _seconds_or_auto(value: str) -> float | None:
+    """``auto`` (None) or a number of seconds >= 0."""
+    if value == "auto":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give seconds (e.g. 20) or auto") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: seconds must be >= 0 (0: off)")
+    return seconds
 
 
 def _config(args: argparse.Namespace) -> OperatorConfig:
@@ -149,6 +169,7 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         tick_seconds=args.tick_seconds,
         progress_poll_seconds=args.progress_poll_seconds,
         node_lost_seconds=args.node_lost_seconds,
+        peer_lost_seconds=args.peer_lost_seconds,
         delete_grace_seconds=args.delete_grace_seconds,
         graces=Graces(**graces),
         cluster_domain=args.cluster_domain,

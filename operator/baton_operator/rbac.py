@@ -12,6 +12,8 @@ Each permission is granted in the narrowest scope that works:
   ``update`` by name (``resourceNames``). This is the only ``get`` on Secrets the operator has:
   it never reads the per-job Secrets it writes (tokens.py), nor any other Secret.
 - *nodes* (cluster-scoped, read-only): Nodes carry the preemption notices.
+- *node leases* (a Role in ``kube-node-lease``, ``get``): a node the ranks stopped hearing
+  from is lost once its kubelet stops renewing its Lease (nodes.py), before it turns NotReady.
 - *workload* (TrainingJobs, pods, Services, Secret ``create``, Events): a ClusterRole when the
   operator serves every namespace; with ``watch_namespaces``, a Role in each of them and
   nothing cluster-wide but the Node rule.
@@ -37,7 +39,9 @@ from .pure.settings import KEY_SECRET_NAME, LEASE_NAME
 __all__ = [
     "CLUSTER_ROLE_NAME",
     "NODES_ROLE_NAME",
+    "NODE_LEASES_ROLE_NAME",
     "SELF_ROLE_NAME",
+    "node_lease_rules",
     "node_rules",
     "rbac_manifests",
     "rbac_rules",
@@ -52,6 +56,8 @@ NODES_ROLE_NAME: Final = "baton-operator-nodes"
 """The only cluster-wide grant when the operator serves a list of namespaces."""
 SELF_ROLE_NAME: Final = "baton-operator-self"
 """The Role in the operator's namespace: its Lease and its token key."""
+NODE_LEASES_ROLE_NAME: Final = "baton-operator-node-leases"
+"""The Role in ``kube-node-lease``: read the nodes' Leases (kube.NODE_LEASE_PERMISSIONS)."""
 
 _KOPF_OWN: Final = frozenset(
     {
@@ -121,6 +127,11 @@ def node_rules() -> list[dict[str, Any]]:
     return _rules(p for p in _unclassified() if p.resource in _CLUSTER_SCOPED)
 
 
+def node_lease_rules() -> list[dict[str, Any]]:
+    """Rules of the Role in ``kube-node-lease``: ``get`` on the nodes' Leases."""
+    return _rules(kube.NODE_LEASE_PERMISSIONS)
+
+
 def self_rules() -> list[dict[str, Any]]:
     """Rules of the Role in the operator's own namespace."""
     return _rules([*_SELF_NAMED, *_SELF_ANY_NAME], _SELF_NAMED)
@@ -173,8 +184,8 @@ def rbac_manifests(
     """ServiceAccount, roles and bindings for an operator in ``namespace``.
 
     With ``watch_namespaces`` empty, one ClusterRole (workload and Nodes); else a Role per
-    served namespace and a Node-only ClusterRole. Always a Role in ``namespace`` for the Lease
-    and the token key.
+    served namespace and a Node-only ClusterRole. Always a Role in ``kube-node-lease`` to read
+    the nodes' Leases, and one in ``namespace`` for the operator's Lease and the token key.
     """
     labels = {"app.kubernetes.io/name": "baton-operator", "app.kubernetes.io/part-of": "baton"}
     sa = {"name": service_account, "namespace": namespace}
@@ -202,7 +213,12 @@ def rbac_manifests(
                     "RoleBinding", CLUSTER_ROLE_NAME, "Role", sa=sa, labels=labels, namespace=ns
                 ),
             ]
+    lease_ns = kube.NODE_LEASE_NAMESPACE
     docs += [
+        _role("Role", NODE_LEASES_ROLE_NAME, node_lease_rules(), labels=labels, namespace=lease_ns),
+        _binding(
+            "RoleBinding", NODE_LEASES_ROLE_NAME, "Role", sa=sa, labels=labels, namespace=lease_ns
+        ),
         _role("Role", SELF_ROLE_NAME, self_rules(), labels=labels, namespace=namespace),
         _binding("RoleBinding", SELF_ROLE_NAME, "Role", sa=sa, labels=labels, namespace=namespace),
     ]

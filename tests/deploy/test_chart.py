@@ -125,6 +125,8 @@ def test_defaults_render_the_operator(helm: str) -> None:
         "Deployment",
         "NetworkPolicy",
         "Role",
+        "Role",
+        "RoleBinding",
         "RoleBinding",
         "Service",
         "ServiceAccount",
@@ -171,14 +173,17 @@ def test_rbac_rules_are_the_operators_own(helm: str) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "baton", "namespace": NAMESPACE}
     ]
-    role = _one(docs, "Role")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == rbac.self_rules()
-    assert _one(docs, "RoleBinding")["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "Role",
-        "name": _name(role),
-    }
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    assert sorted(roles) == sorted([NAMESPACE, "kube-node-lease"])
+    assert roles[NAMESPACE]["rules"] == rbac.self_rules()
+    assert roles["kube-node-lease"]["rules"] == rbac.node_lease_rules()
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    for ns, role in roles.items():
+        assert bindings[ns]["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": _name(role),
+        }
 
 
 def test_watch_namespaces_grant_only_namespaced_roles_and_read_only_nodes(helm: str) -> None:
@@ -188,12 +193,12 @@ def test_watch_namespaces_grant_only_namespaced_roles_and_read_only_nodes(helm: 
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}
     ]
     roles = {(d["metadata"]["namespace"], _name(d)): d for d in docs if d["kind"] == "Role"}
-    assert sorted(ns for ns, _ in roles) == ["baton-system", "ml-a", "ml-b"]
+    assert sorted(ns for ns, _ in roles) == ["baton-system", "kube-node-lease", "ml-a", "ml-b"]
     for (ns, _), role in roles.items():
-        expected = rbac.self_rules() if ns == NAMESPACE else rbac.workload_rules()
-        assert role["rules"] == expected, ns
+        expected = {NAMESPACE: rbac.self_rules(), "kube-node-lease": rbac.node_lease_rules()}
+        assert role["rules"] == expected.get(ns, rbac.workload_rules()), ns
     bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 4
+    assert len(bindings) == 5
     for b in bindings:
         assert b["subjects"] == [
             {"kind": "ServiceAccount", "name": "baton", "namespace": NAMESPACE}

@@ -46,7 +46,14 @@ def test_kustomization_installs_crd_rbac_and_a_restricted_operator() -> None:
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     ns = namespace["metadata"]["name"]
     namespaced = [d for d in docs if d["kind"] not in _CLUSTER_SCOPED]
-    assert {d["metadata"]["namespace"] for d in namespaced} == {ns}
+    # Everything in the operator's namespace but the Role (and its binding) that reads the
+    # nodes' Leases, which live in kube-node-lease.
+    assert {d["metadata"]["namespace"] for d in namespaced} == {ns, "kube-node-lease"}
+    assert {
+        (d["kind"], d["metadata"]["name"])
+        for d in namespaced
+        if d["metadata"]["namespace"] == "kube-node-lease"
+    } == {("Role", "baton-operator-node-leases"), ("RoleBinding", "baton-operator-node-leases")}
     deployment = _deployment(docs)
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     pod = deployment["spec"]["template"]["spec"]

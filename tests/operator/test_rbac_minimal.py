@@ -31,6 +31,9 @@ WORKLOAD = [
      "verbs": ["create", "delete"]},
 ]  # fmt: skip
 NODES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}]
+# kube-node-lease: the nodes' Leases, read only (a node the ranks stopped hearing from is lost
+# once its kubelet stops renewing it: suspecting.py).
+NODE_LEASES = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get"]}]
 # The operator's own namespace: the Lease and the token key, by name.
 SELF = [
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
@@ -59,6 +62,7 @@ def test_workload_node_and_self_rules_are_the_hand_written_lists() -> None:
     _same(rbac.workload_rules(), WORKLOAD)
     _same(rbac.node_rules(), NODES)
     _same(rbac.self_rules(), SELF)
+    _same(rbac.node_lease_rules(), NODE_LEASES)
     _same(rbac.rbac_rules(), WORKLOAD + NODES)
 
 
@@ -68,12 +72,15 @@ def test_all_namespaces_install_has_one_cluster_role_and_the_self_role() -> None
         ("ServiceAccount", "baton-operator", "baton-system"),
         ("ClusterRole", "baton-operator", None),
         ("ClusterRoleBinding", "baton-operator", None),
+        ("Role", "baton-operator-node-leases", "kube-node-lease"),
+        ("RoleBinding", "baton-operator-node-leases", "kube-node-lease"),
         ("Role", "baton-operator-self", "baton-system"),
         ("RoleBinding", "baton-operator-self", "baton-system"),
     ]
     _same(docs[1]["rules"], WORKLOAD + NODES)
-    _same(docs[3]["rules"], SELF)
-    for binding in (docs[2], docs[4]):
+    _same(docs[3]["rules"], NODE_LEASES)
+    _same(docs[5]["rules"], SELF)
+    for binding in (docs[2], docs[4], docs[6]):
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "baton-operator", "namespace": "baton-system"}
         ]
@@ -88,12 +95,14 @@ def test_watch_namespaces_install_grants_nothing_cluster_wide_but_nodes() -> Non
     ]
     _same(cluster[0]["rules"], NODES)
     roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
-    assert sorted(roles) == ["ml-a", "ml-b", "ops"]
+    assert sorted(roles) == ["kube-node-lease", "ml-a", "ml-b", "ops"]
+    _same(roles["kube-node-lease"]["rules"], NODE_LEASES)
     _same(roles["ml-a"]["rules"], WORKLOAD)
     _same(roles["ml-b"]["rules"], WORKLOAD)
     _same(roles["ops"]["rules"], SELF)
     bindings = [d for d in docs if d["kind"] == "RoleBinding"]
     assert sorted((b["metadata"]["namespace"], b["roleRef"]["name"]) for b in bindings) == [
+        ("kube-node-lease", "baton-operator-node-leases"),
         ("ml-a", "baton-operator"),
         ("ml-b", "baton-operator"),
         ("ops", "baton-operator-self"),
@@ -110,7 +119,8 @@ def test_no_wildcards_anywhere() -> None:
 
 
 def _api_calling_methods() -> dict[str, set[str]]:
-    """Kube methods and the client attributes (``self._core``/``self._custom``) they use."""
+    """Kube methods and the client attributes (``self._core``/``self._custom``/
+    ``self._coordination``) they use."""
     tree = ast.parse(Path(inspect.getfile(kube)).read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kube")
     out: dict[str, set[str]] = {}
@@ -122,7 +132,7 @@ def _api_calling_methods() -> dict[str, set[str]]:
             for node in ast.walk(fn)
             if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Attribute)
-            and node.value.attr in ("_core", "_custom")
+            and node.value.attr in ("_core", "_custom", "_coordination")
         }
     return out
 
@@ -140,3 +150,19 @@ def test_every_method_that_calls_the_api_declares_its_permission() -> None:
         verbs = {p.verb for p in declared}
         for attr in used:
             assert verb_of[attr.split("_")[0]] in verbs, f"Kube.{name} calls {attr}: {verbs}"
+
+
+def test_the_node_lease_read_is_granted_in_kube_node_lease_only() -> None:
+    # Declared on the method, but not in the registry the workload and self roles come from:
+    # the same triple in the operator's namespace is its election Lease, granted by name.
+    declared = Kube.node_lease.__dict__["baton_permissions"]
+    assert declared == set(kube.NODE_LEASE_PERMISSIONS)
+    assert not declared & kube.PERMISSIONS
+    docs = rbac.rbac_manifests("ops", "op")
+    granted = [
+        (d["kind"], d["metadata"].get("namespace"))
+        for d in docs
+        if any(r["apiGroups"] == ["coordination.k8s.io"] and "get" in r["verbs"]
+               and "resourceNames" not in r for r in d.get("rules", []))
+    ]  # fmt: skip
+    assert granted == [("Role", "kube-node-lease")]

@@ -24,6 +24,7 @@ from baton_operator.pure import manifests
 from baton_operator.pure.disruption import DELETION_COST
 from baton_operator.pure.errors import KubeConflictError, KubeError, SidecarUnreachableError
 from baton_operator.pure.model import JobSpec
+from baton_operator.pure.nodes import NodeLease
 from baton_operator.pure.pods import PodView
 from baton_operator.pure.reports import SidecarStatus
 from baton_operator.pure.settings import OperatorConfig
@@ -72,6 +73,11 @@ class FakeKube:
         self.nodes: set[str] = set()
         """The Nodes that exist (Harness.node adds them; a test deletes one unseen)."""
         self.node_lookups: list[str | None] = []
+        self.leases: dict[str, NodeLease] = {}
+        """Each node's Lease (a node missing here has none)."""
+        self.lease_reads: list[str] = []
+        self.lease_error: KubeError | None = None
+        """Raised by every node Lease read (RBAC refused, say)."""
 
     def bump(self) -> str:
         version = str(int(self.job["metadata"]["resourceVersion"]) + 1)
@@ -80,6 +86,12 @@ class FakeKube:
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.job)
+
+    async def node_lease(self, node: str) -> NodeLease | None:
+        self.lease_reads.append(node)
+        if self.lease_error is not None:
+            raise self.lease_error
+        return self.leases.get(node)
 
     async def patch_job_status(
         self,

@@ -69,6 +69,20 @@ def test_cli_flags_build_the_config() -> None:
         cli._config(cli._parser().parse_args(["--grace", "nope=1"]))
 
 
+def test_the_peer_lost_window_is_auto_seconds_or_off(capsys: pytest.CaptureFixture[str]) -> None:
+    def window(*flag: str) -> float | None:
+        return cli._config(cli._parser().parse_args(list(flag))).peer_lost_seconds
+
+    assert window() is None
+    assert window("--peer-lost-seconds", "auto") is None
+    assert window("--peer-lost-seconds", "12.5") == 12.5
+    assert window("--peer-lost-seconds", "0") == 0
+    for bad, said in (("-1", "must be >= 0 (0: off)"), ("soon", "give seconds (e.g. 20) or auto")):
+        with pytest.raises(SystemExit):
+            cli._parser().parse_args(["--peer-lost-seconds", bad])
+        assert said in capsys.readouterr().err
+
+
 def test_manifests_subcommand_prints_crds_and_rbac() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "baton_operator", "manifests", "--namespace", "ops"],
@@ -81,11 +95,14 @@ def test_manifests_subcommand_prints_crds_and_rbac() -> None:
         ("ServiceAccount", "baton-operator"),
         ("ClusterRole", "baton-operator"),
         ("ClusterRoleBinding", "baton-operator"),
+        ("Role", "baton-operator-node-leases"),
+        ("RoleBinding", "baton-operator-node-leases"),
         ("Role", "baton-operator-self"),
         ("RoleBinding", "baton-operator-self"),
     ]
     assert docs[1]["metadata"]["namespace"] == "ops"
-    assert docs[4]["metadata"]["namespace"] == "ops"
+    assert docs[4]["metadata"]["namespace"] == "kube-node-lease"
+    assert docs[6]["metadata"]["namespace"] == "ops"
 
 
 def test_kopf_never_peers() -> None:

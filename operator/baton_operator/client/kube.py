@@ -27,8 +27,12 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from baton_operator.pure import crd
 from baton_operator.pure.errors import KubeError
+from baton_operator.pure.nodes import NodeLease
 
-__all__ = ["PERMISSIONS", "Kube", "Permission", "describe", "load_client", "load_configuration"]
+__all__ = [
+    "NODE_LEASE_NAMESPACE", "NODE_LEASE_PERMISSIONS", "PERMISSIONS", "Kube", "Permission",
+    "describe", "load_client", "load_configuration",
+]  # fmt: skip
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -60,6 +64,14 @@ PERMISSIONS: set[Permission] = set()
 """Every permission a :class:`Kube` method uses, filled in by :func:`_needs` at import."""
 
 
+NODE_LEASE_NAMESPACE: Final = "kube-node-lease"
+"""Where each kubelet renews its node's Lease (named after the node)."""
+NODE_LEASE_PERMISSIONS: Final = frozenset({Permission("coordination.k8s.io", "leases", "get")})
+"""What :meth:`Kube.node_lease_renewed` uses, in :data:`NODE_LEASE_NAMESPACE` only: kept out of
+:data:`PERMISSIONS` because rbac.py grants it by a Role of its own there (the same triple in
+the operator's namespace is its election Lease, granted by name)."""
+
+
 def _needs(
     group: str, resource: str, *verbs: str
 ) -> Callable[[Callable[_P, Coroutine[Any, Any, _R]]], Callable[_P, Coroutine[Any, Any, _R]]]:
@@ -72,6 +84,15 @@ def _needs(
         return fn
 
     return register
+
+
+def _needs_node_lease(
+    fn: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """:func:`_needs` for :data:`NODE_LEASE_PERMISSIONS`: declared on the method, not added
+    to :data:`PERMISSIONS` (rbac.py grants it in ``kube-node-lease`` only)."""
+    fn.__dict__.setdefault("baton_permissions", set()).update(NODE_LEASE_PERMISSIONS)
+    return fn
 
 
 def load_client(kubeconfig: str | None = None) -> Any:
@@ -155,6 +176,7 @@ class Kube:
         self._api: Any = api_client
         self._core: Any = k8s_client.CoreV1Api(api_client)
         self._custom: Any = k8s_client.CustomObjectsApi(api_client)
+        self._coordination: Any = k8s_client.CoordinationV1Api(api_client)
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kube")
 
     async def _run(self, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
@@ -251,6 +273,23 @@ class Kube:
             raise _translate(e, "listing nodes") from e
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]
         return {str((n.get("metadata") or {}).get("name", "")) for n in items}
+
+    @_needs_node_lease
+    async def node_lease(self, node: str) -> NodeLease | None:
+        """``node``'s Lease (its renew time and duration), or None when it has none. Needs
+        :data:`NODE_LEASE_PERMISSIONS` in :data:`NODE_LEASE_NAMESPACE`."""
+        lease = await self._read_raw(
+            f"reading node Lease {NODE_LEASE_NAMESPACE}/{node}",
+            self._coordination.read_namespaced_lease, node, NODE_LEASE_NAMESPACE,
+        )  # fmt: skip
+        if lease is None:
+            return None
+        spec = lease.get("spec") or {}
+        renewed, duration = spec.get("renewTime"), spec.get("leaseDurationSeconds")
+        return NodeLease(
+            renew_time=None if renewed is None else str(renewed),
+            duration_seconds=float(duration) if isinstance(duration, int | float) else None,
+        )
 
     @_needs("", "pods", "list")
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:

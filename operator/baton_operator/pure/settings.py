@@ -88,6 +88,16 @@ class OperatorConfig:
     node_lost_seconds: int = 20
     """Pods tolerate an unreachable/not-ready node this long before taint eviction (and the
     operator calls the node lost): the default 300 s would leave a job idle for five minutes."""
+    peer_lost_seconds: float | None = None
+    """A node that a job's ranks stopped hearing from (a memory-tier rank's trainer failed or
+    restarted in place, or a sidecar that had answered stopped answering) is lost once its
+    node Lease (``kube-node-lease``) has not been renewed over this many seconds of the
+    operator's own watching, without waiting for NotReady and ``node_lost_seconds``
+    (nodes.py, docs/operator.md "A node lost without notice"). None (``auto``): two of the
+    kubelet's renew intervals, read from each Lease (a quarter of its
+    ``leaseDurationSeconds``: 20 s by default), so a live node always renews within it and a
+    blip shorter than it restarts nothing. 0 turns the fast path off (NotReady and
+    ``node_lost_seconds`` only)."""
     delete_grace_seconds: int = 30
     """Grace given to an old attempt's pods when they are deleted after a committed save."""
     watch_server_timeout_seconds: int = 60
@@ -119,6 +129,10 @@ class OperatorConfig:
             raise ValueError(
                 "watch_client_timeout_seconds must exceed watch_server_timeout_seconds, or the "
                 "client gives up on healthy watches: raise the client timeout"
+            )
+        if self.peer_lost_seconds is not None and self.peer_lost_seconds < 0:
+            raise ValueError(
+                "peer_lost_seconds must be >= 0 (0 turns the fast path off; None: auto)"
             )
         if self.tick_seconds <= 0 or self.progress_poll_seconds <= 0:
             raise ValueError("tick_seconds and progress_poll_seconds must be > 0")

@@ -46,6 +46,12 @@ class JobMemory:
     """When a trainer restarted in place was first seen unexplained (no recovery open): it
     counts as a crash once no recovery explained it for a while (recovering.py). Lost with
     the daemon, which only delays that count."""
+    suspected: set[str] = field(default_factory=set)
+    """The evidence (keys such as ``pod:restart:2``) that already made this job suspect a
+    node (suspecting.py): each piece suspects once, so a cleared suspicion is not raised
+    again every tick by the same restart."""
+    silent: set[int] = field(default_factory=set)
+    """Ranks whose sidecar answered this attempt and then did not (actions.poll_ranks)."""
     synced_at: datetime | None = None
     """When the job and its pods were last read through the API rather than the watch cache
     (the daemon's first tick, every resync period, and after a lost write race)."""
@@ -55,6 +61,7 @@ class JobMemory:
         if self.attempt != attempt:
             self.attempt = attempt
             self.reports = {}
+            self.silent = set()
 
     def remember_final(self, pods: Mapping[int, PodView]) -> None:
         """Take each ended sidecar's last report (its termination message) as its answer,

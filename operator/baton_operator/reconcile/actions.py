@@ -350,6 +350,12 @@ class Actions(Room):
                 live[v.rank] = await self._sidecars.status(v.ip, memory.token)
             except SidecarUnreachableError as e:
                 _log.debug("rank %d status: %s", v.rank, e)
+                if v.rank in memory.reports:
+                    # It answered before: a reason to suspect its node (suspecting.py).
+                    memory.silent.add(v.rank)
                 continue
             memory.reports[v.rank] = live[v.rank]
+            if v.rank in memory.silent:
+                memory.silent.discard(v.rank)
+                memory.suspected.discard(f"{v.pod}:silent")
         return live

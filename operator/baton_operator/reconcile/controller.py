@@ -70,6 +70,7 @@ from .progress import ProgressTracker
 from .recovering import Recovery
 from .replicating import PeerWiring
 from .services import Room, Services
+from .suspecting import PeerWatch
 from .suspending import Suspender
 from .writing import EventPoster, StatusWriter
 
@@ -149,6 +150,8 @@ class Reconciler(Room):
         self._recovery = Recovery(
             services, creator=self._creator, actions=self._actions, notices=self._notices
         )
+        self._peer_watch = PeerWatch(services)
+        """Nodes the ranks stopped hearing from, judged by their Lease (suspecting.py)."""
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop counting it and drop its metric series."""
@@ -317,6 +320,9 @@ class Reconciler(Room):
             return 0.0
         await self._progress.poll(t)
         await self._peers.sync(t, replicas=replicas)
+        if await self._peer_watch.watch(t):
+            # A node was judged lost by its Lease: its ranks' views say so now.
+            t.views = [self._view(t, rank) for rank in range(replicas)]
         outcome, detail = lifecycle.classify(t.views, replicas)
         if outcome is Outcome.FAILED and any(
             v.exit_code not in (None, 0, EMERGENCY_EXIT_CODE) and not v.committed_notice
