@@ -101,6 +101,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         "unrenewed this long (default auto: two of the kubelet's renew intervals, read from "
         "the Lease; 0: wait for NotReady and --node-lost-seconds)",
     )  # fmt: skip
+    p.add_argument(
+        "--sidecar-timeout-seconds", type=float, default=d.sidecar_timeout_seconds,
+        help="per-request timeout of the operator's calls to a sidecar; a sidecar that had "
+        "answered and then times out makes the operator suspect its node",
+    )  # fmt: skip
     p.add_argument("--delete-grace-seconds", type=int, default=d.delete_grace_seconds)
     p.add_argument(
         "--grace", action="append", default=[], metavar="NAME=SECONDS",
@@ -170,6 +175,7 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         progress_poll_seconds=args.progress_poll_seconds,
         node_lost_seconds=args.node_lost_seconds,
         peer_lost_seconds=args.peer_lost_seconds,
+        sidecar_timeout_seconds=args.sidecar_timeout_seconds,
         delete_grace_seconds=args.delete_grace_seconds,
         graces=Graces(**graces),
         cluster_domain=args.cluster_domain,

@@ -3,14 +3,17 @@
 A 2-pod job snapshots every step into its pods' memory (``fastEverySteps: 1``) and each pod's
 sidecar copies its snapshot to the other pod; there is no durable save at all during the run
 (``everySteps`` beyond its last step), so whatever the ranks resume from came from memory.
-The node of one rank is killed (no notice, its processes gone at once). The operator
-replaces only that pod, under the same name and in the same attempt; the survivor's pod (same
-UID) keeps its sidecar and memory, and its trainer, whose process group broke, is restarted in
-place by the kubelet (the trainer's container restart rules). Every rank restores the newest
-snapshot every rank can load (the replacement's from the survivor's replica), the status
-and Events say so, and the job ends bitwise equal to an uninterrupted run. The same job then
-loses rank 0's node, which also checks the rendezvous: the ranks reach rank 0 by its DNS name,
-which follows the replacement (one job for both losses: one start and one reference).
+The node of one rank is killed (no notice, its processes gone at once). The survivor's broken
+trainer makes the operator suspect the node, and its Lease, no longer renewed, makes it lost
+within seconds (long before NotReady). The operator replaces only that pod, under the same
+name and in the same attempt; the survivor's pod (same UID) keeps its sidecar and memory, and
+its trainer, whose process group broke, is restarted in place by the kubelet (the trainer's
+container restart rules). Every rank restores the newest snapshot every rank can load (the
+replacement's from the survivor's replica), the status and Events say so, and the job ends
+bitwise equal to an uninterrupted run. The same job then loses rank 0's node, which also
+checks the rendezvous: the ranks reach rank 0 by its DNS name, which follows the replacement
+(one job for both losses: one start and one reference). A node frozen for less than the
+window (a network blip) is suspected and cleared, and nothing restarts.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ STEPS = 40
 REPLICAS = 2
 NO_DURABLE = 1000
 """``everySteps`` past the last step: no durable save before the job's end."""
-OPERATOR_ARGS = ["--node-lost-seconds", "2"]
-"""A node is called lost 2 s after it turns NotReady (the local cluster's node-monitor grace
-is 8 s), not the harness's 10 s: the recoveries are the same, each 8 s sooner."""
+OPERATOR_ARGS = ["--node-lost-seconds", "60", "--sidecar-timeout-seconds", "1.5"]
+"""The operator judges a killed node by its Lease (suspecting.py: the default window, two
+renew intervals of the local agents' 8 s Lease, is 4 s), long before the NotReady path would
+(the local node-monitor grace of 8 s plus these 60 s): a recovery that waited for NotReady
+fails the Event checks. A sidecar that does not answer within 1.5 s (the harness's polls come
+every 0.5 s) makes its node suspected, which the frozen node of the blip test needs."""
 
 
 def _trainer_status(pod: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +126,16 @@ def _lose_and_recover(baton: Baton, job: str, lost_rank: int, *, failures: int) 
     assert (entry["source"], entry["attempt"]) == ("node-lost", 0), diag
     assert entry["resumeStep"] == last["restoredStep"], diag
     events = baton.events(job)
+    lost_node = before[lost_rank]["spec"]["nodeName"]
+    # Judged by its Lease once the survivor's trainer broke, not by NotReady (OPERATOR_ARGS).
+    assert any(
+        e.startswith(f"NodeSuspected: node {lost_node}: pod {job}-a0-r{survivor}'s trainer")
+        for e in events
+    ), diag
+    assert any(
+        e.startswith(f"NodeLost: node {lost_node} is lost: its kubelet did not renew its Lease")
+        for e in events
+    ), diag
     lost_pod = f"{job}-a0-r{lost_rank}"
     assert any(e.startswith("Recovering: ") and lost_pod in e for e in events), diag
     assert any(
@@ -262,4 +278,49 @@ def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(
     result = json.loads((baton.workdir / job / "result.json").read_text())
     for key in ("params_sha256", "optimizer_sha256", "scheduler_sha256", "scaler_sha256"):
         assert result[key] == ref_result[key], f"{key} differs from the uninterrupted run"
+    baton.delete(job)
+
+
+def test_a_node_frozen_shorter_than_the_window_restarts_nothing(baton: Baton) -> None:
+    # A network blip: rank 1's node stops for 3.5 s (its processes stopped, its kubelet not
+    # renewing its Lease: LocalCluster.freeze_node), shorter than the 4 s window. Rank 1's
+    # sidecar times out (1.5 s), so the operator suspects the node and reads its Lease, which
+    # is renewed at the thaw: the node is cleared, no pod is replaced, no trainer restarts, and
+    # the job finishes with every rank exiting 0 and every step trained once.
+    replicas, steps = 3, 40
+    job = unique("tj-blip")
+    manifest = baton.job_manifest(
+        job, steps=steps, every_steps=NO_DURABLE, sleep=0.3, replicas=replicas,
+        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
+    )  # fmt: skip
+    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    applied = baton.apply(manifest)
+    assert applied.returncode == 0, applied.stderr
+    baton.wait_phase(job, "Running", timeout=180)
+    baton.wait_steps(job, 8)
+    before = _pods_by_rank(baton, job)
+    frozen = before[1]["spec"]["nodeName"]
+    baton.cluster.freeze_node(frozen, 3.5, wait=True)
+    final = baton.wait_phase(job, "Succeeded", timeout=240)
+    diag = baton.diagnostics(job)
+    events = baton.events(job)
+    assert any(e.startswith(f"NodeSuspected: node {frozen}: rank 1's sidecar") for e in events), (
+        diag
+    )
+    assert any(e.startswith(f"NodeReachable: node {frozen} renewed its Lease") for e in events), (
+        diag
+    )
+    assert not any(e.startswith(("NodeLost:", "Recovering:")) for e in events), diag
+    assert (final["attempt"], final["failures"], final["preemptions"]) == (0, 0, 0), diag
+    assert not final.get("interruptions"), diag
+    after = _pods_by_rank(baton, job)
+    for rank in range(replicas):
+        assert after[rank]["metadata"]["uid"] == before[rank]["metadata"]["uid"], diag
+        trainer_status = _trainer_status(after[rank])
+        assert trainer_status.get("restartCount", 0) == 0, diag
+        assert trainer_status["state"]["terminated"]["exitCode"] == 0, diag
+    got = trainer.loss_logs(baton.workdir / job, replicas)
+    for rank in range(replicas):
+        steps_logged = [s for s, losses in sorted(got.get(rank, {}).items()) for _ in losses]
+        assert steps_logged == list(range(1, steps + 1)), f"rank {rank}{diag}"
     baton.delete(job)

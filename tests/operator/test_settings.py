@@ -77,6 +77,8 @@ def test_the_peer_lost_window_is_auto_seconds_or_off(capsys: pytest.CaptureFixtu
     assert window("--peer-lost-seconds", "auto") is None
     assert window("--peer-lost-seconds", "12.5") == 12.5
     assert window("--peer-lost-seconds", "0") == 0
+    timeout = cli._parser().parse_args(["--sidecar-timeout-seconds", "1.5"])
+    assert cli._config(timeout).sidecar_timeout_seconds == 1.5
     for bad, said in (("-1", "must be >= 0 (0: off)"), ("soon", "give seconds (e.g. 20) or auto")):
         with pytest.raises(SystemExit):
             cli._parser().parse_args(["--peer-lost-seconds", bad])
