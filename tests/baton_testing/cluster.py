@@ -321,6 +321,17 @@ class LocalCluster:
         """Lose ``node`` without notice: processes die, heartbeats stop, the Node stays."""
         self._control("kill-node", [node])
 
+    def freeze_node(self, node: str, seconds: float, *, wait: bool = False) -> None:
+        """Cut ``node`` off for ``seconds``, then bring it back, as a network blip looks from
+        outside: its Lease is not renewed nor its status posted, every process of its pods is
+        stopped (SIGSTOP: a sidecar does not answer, a trainer does not step) and no container
+        starts; then the processes continue (SIGCONT) and the Lease is renewed at once.
+        Nothing is killed. Returns at once, or with ``wait`` once the node is back."""
+        extra = [node, "--seconds", str(seconds)]
+        if wait:
+            extra.append("--wait")
+        self._control("freeze-node", extra)
+
     def add_node(self, *, spot: bool = False) -> str:
         """Add a node, wait until it is Ready, and return its name."""
         return self._control("add-node", ["--spot"] if spot else [])

@@ -36,9 +36,12 @@ import (
 )
 
 const (
-	leaseRenewInterval  = 2 * time.Second
-	nodeStatusInterval  = 10 * time.Second
-	leaseDurationSecond = 40
+	leaseRenewInterval = 2 * time.Second
+	nodeStatusInterval = 10 * time.Second
+	// The kubelet renews its Lease every quarter of its duration (nodeLeaseDurationSeconds,
+	// 40 s: every 10 s); this agent renews every 2 s, so its Lease says 8 s, and whoever
+	// reads the renew interval from the Lease (the operator's node-loss window) reads 2 s.
+	leaseDurationSecond = int32(4 * leaseRenewInterval / time.Second)
 	kubeletVersion      = "v1.37.2"
 )
 
@@ -55,6 +58,8 @@ type agent struct {
 	workers  map[types.UID]*podWorker
 	dead     atomic.Bool
 	shutdown atomic.Bool // graceful node shutdown in progress (no new pods start)
+	frozen   atomic.Bool // freeze: cut off for a while (no Lease, no status, processes stopped)
+	renewNow chan struct{}
 	nodeUID  types.UID
 	logf     func(string, ...any)
 }
@@ -83,6 +88,7 @@ func newAgent(c *cluster, name string, spot bool) (*agent, error) {
 	a := &agent{
 		c: c, name: name, spot: spot, client: client, ctx: ctx, cancel: cancel,
 		port: l.Addr().(*net.TCPAddr).Port, listener: l, workers: map[types.UID]*podWorker{},
+		renewNow: make(chan struct{}, 1),
 	}
 	a.logf = func(format string, args ...any) { c.logf("[%s] %s", name, fmt.Sprintf(format, args...)) }
 	return a, nil
@@ -267,6 +273,16 @@ func (a *agent) leaseLoop() {
 	t := time.NewTicker(leaseRenewInterval)
 	defer t.Stop()
 	for {
+		if a.frozen.Load() {
+			// Cut off: the Lease is not renewed until the thaw (freeze).
+			select {
+			case <-a.ctx.Done():
+				return
+			case <-t.C:
+			case <-a.renewNow:
+			}
+			continue
+		}
 		now := metav1.NewMicroTime(time.Now())
 		lease, err := leases.Get(a.ctx, a.name, metav1.GetOptions{})
 		switch {
@@ -277,12 +293,13 @@ func (a *agent) leaseLoop() {
 					// Owned by the Node, as the kubelet does, so deleting the Node collects it.
 					OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: a.name, UID: a.nodeUID}},
 				},
-				Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(a.name), LeaseDurationSeconds: ptr.To[int32](leaseDurationSecond), RenewTime: &now},
+				Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(a.name), LeaseDurationSeconds: ptr.To(leaseDurationSecond), RenewTime: &now},
 			}
 			_, err = leases.Create(a.ctx, lease, metav1.CreateOptions{})
 		case err == nil:
 			lease.Spec.RenewTime = &now
 			lease.Spec.HolderIdentity = ptr.To(a.name)
+			lease.Spec.LeaseDurationSeconds = ptr.To(leaseDurationSecond)
 			_, err = leases.Update(a.ctx, lease, metav1.UpdateOptions{})
 		}
 		if err != nil && a.ctx.Err() == nil && !apierrors.IsConflict(err) {
@@ -292,6 +309,7 @@ func (a *agent) leaseLoop() {
 		case <-a.ctx.Done():
 			return
 		case <-t.C:
+		case <-a.renewNow:
 		}
 	}
 }
@@ -304,6 +322,9 @@ func (a *agent) statusLoop() {
 		case <-a.ctx.Done():
 			return
 		case <-t.C:
+		}
+		if a.frozen.Load() {
+			continue
 		}
 		node, err := a.client.CoreV1().Nodes().Get(a.ctx, a.name, metav1.GetOptions{})
 		if err != nil {
@@ -366,6 +387,49 @@ func (a *agent) killAll(sigtermFirst time.Duration) {
 		w.dropMemoryVolumes()
 	}
 	_ = a.listener.Close()
+}
+
+// freeze cuts the node off for d, as a network partition looks from outside, then brings it
+// back: no Lease renewal or node status meanwhile, every pod's processes stopped (SIGSTOP, so
+// a sidecar does not answer and a trainer does not step) and no container started; then
+// SIGCONT and an immediate Lease renewal. Nothing is killed. A node killed meanwhile stays
+// dead (killAll SIGKILLs stopped processes too; the thaw then touches nothing).
+func (a *agent) freeze(d time.Duration) error {
+	if !a.frozen.CompareAndSwap(false, true) {
+		return fmt.Errorf("node %s is frozen already", a.name)
+	}
+	workers := a.snapshotWorkers()
+	for _, w := range workers {
+		w.signalAll(sigstop)
+	}
+	a.logf("frozen for %s", d)
+	time.Sleep(d)
+	if a.dead.Load() {
+		return nil
+	}
+	for _, w := range workers {
+		w.signalAll(sigcont)
+	}
+	a.frozen.Store(false)
+	select {
+	case a.renewNow <- struct{}{}:
+	default:
+	}
+	for _, w := range a.snapshotWorkers() {
+		w.kick()
+	}
+	a.logf("thawed after %s", d)
+	return nil
+}
+
+func (a *agent) snapshotWorkers() []*podWorker {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	workers := make([]*podWorker, 0, len(a.workers))
+	for _, w := range a.workers {
+		workers = append(workers, w)
+	}
+	return workers
 }
 
 // gracefulShutdown terminates every pod within grace, as the kubelet's graceful node shutdown

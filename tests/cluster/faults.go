@@ -29,12 +29,13 @@ import (
 )
 
 type controlRequest struct {
-	Node       string `json:"node,omitempty"`
-	Provider   string `json:"provider,omitempty"`
-	Grace      int    `json:"grace,omitempty"`
-	Wait       bool   `json:"wait,omitempty"`
-	CordonOnly bool   `json:"cordonOnly,omitempty"`
-	Spot       bool   `json:"spot,omitempty"`
+	Node       string  `json:"node,omitempty"`
+	Provider   string  `json:"provider,omitempty"`
+	Grace      int     `json:"grace,omitempty"`
+	Wait       bool    `json:"wait,omitempty"`
+	CordonOnly bool    `json:"cordonOnly,omitempty"`
+	Spot       bool    `json:"spot,omitempty"`
+	Seconds    float64 `json:"seconds,omitempty"`
 }
 
 type controlResponse struct {
@@ -82,6 +83,7 @@ func (c *cluster) serveControl() error {
 	handle("/preempt", c.handlePreempt)
 	handle("/kill-node", c.handleKillNode)
 	handle("/add-node", c.handleAddNode)
+	handle("/freeze-node", c.handleFreezeNode)
 	handle("/stop-apiserver", func(context.Context, controlRequest) (controlResponse, error) {
 		took, err := c.stopAPIServer()
 		return controlResponse{Message: fmt.Sprintf("kube-apiserver stopped after %.1fs", took.Seconds())}, err
@@ -146,6 +148,34 @@ func (c *cluster) handleKillNode(_ context.Context, req controlRequest) (control
 	a.killAll(0)
 	c.logf("killed node %s without notice", req.Node)
 	return controlResponse{Node: req.Node, Message: "killed"}, nil
+}
+
+// handleFreezeNode cuts a node off for a while and brings it back (agent.freeze): a network
+// blip. It returns at once, or with Wait once the node is back.
+func (c *cluster) handleFreezeNode(_ context.Context, req controlRequest) (controlResponse, error) {
+	a, err := c.liveAgent(req.Node)
+	if err != nil {
+		return controlResponse{}, err
+	}
+	if req.Seconds <= 0 {
+		return controlResponse{}, fmt.Errorf("freeze-node: --seconds must be > 0")
+	}
+	if a.frozen.Load() {
+		return controlResponse{}, fmt.Errorf("node %s is frozen already", req.Node)
+	}
+	d := time.Duration(req.Seconds * float64(time.Second))
+	if req.Wait {
+		if err := a.freeze(d); err != nil {
+			return controlResponse{}, err
+		}
+		return controlResponse{Node: req.Node, Message: "thawed"}, nil
+	}
+	go func() {
+		if err := a.freeze(d); err != nil {
+			c.logf("freeze-node %s: %v", req.Node, err)
+		}
+	}()
+	return controlResponse{Node: req.Node, Message: "frozen"}, nil
 }
 
 func (c *cluster) addTaint(ctx context.Context, node string, taint corev1.Taint, labels map[string]string, cordon bool) error {

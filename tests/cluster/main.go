@@ -18,6 +18,7 @@ const usage = `usage:
                   [--pod-path-prefix DIRS] [--toleration-seconds S] [--node-monitor-grace 8s]
   localcluster preempt NODE --provider aws|gke|karpenter|autoscaler --grace SECONDS --dir DIR [--wait] [--cordon-only]
   localcluster kill-node NODE --dir DIR
+  localcluster freeze-node NODE --seconds S --dir DIR [--wait]   (a network blip: no Lease, processes stopped, then back)
   localcluster add-node --dir DIR [--spot]
   localcluster nodes --dir DIR
   localcluster stop-apiserver --dir DIR    (SIGTERM kube-apiserver; etcd and every other part keep running)
@@ -56,7 +57,7 @@ func main() {
 		os.Exit(runEtcd(args[0], cp, pp))
 	case "up":
 		os.Exit(cmdUp(args))
-	case "preempt", "kill-node", "add-node", "nodes", "stop-apiserver", "start-apiserver":
+	case "preempt", "kill-node", "freeze-node", "add-node", "nodes", "stop-apiserver", "start-apiserver":
 		os.Exit(cmdFault(cmd, args))
 	case "-h", "--help", "help":
 		fmt.Print(usage)
@@ -95,9 +96,10 @@ func cmdFault(cmd string, args []string) int {
 	dir := fs.String("dir", "", "the directory given to `up`")
 	provider := fs.String("provider", "aws", "aws|gke|karpenter|autoscaler")
 	grace := fs.Int("grace", 120, "seconds from the notice until the machine is gone")
-	wait := fs.Bool("wait", false, "return only after the machine is gone")
+	wait := fs.Bool("wait", false, "return only after the machine is gone (freeze-node: back)")
 	cordonOnly := fs.Bool("cordon-only", false, "aws/karpenter/autoscaler: taint and cordon but do not drain")
 	spot := fs.Bool("spot", false, "add-node: spot capacity")
+	seconds := fs.Float64("seconds", 0, "freeze-node: how long the node is cut off")
 	_ = fs.Parse(args)
 	if node == "" && fs.NArg() > 0 {
 		node = fs.Arg(0)
@@ -106,11 +108,11 @@ func cmdFault(cmd string, args []string) int {
 		fmt.Fprintf(os.Stderr, "%s: --dir is required\n%s", cmd, usage)
 		return 2
 	}
-	if (cmd == "preempt" || cmd == "kill-node") && node == "" {
+	if (cmd == "preempt" || cmd == "kill-node" || cmd == "freeze-node") && node == "" {
 		fmt.Fprintf(os.Stderr, "%s: NODE is required\n%s", cmd, usage)
 		return 2
 	}
-	req := controlRequest{Node: node, Provider: *provider, Grace: *grace, Wait: *wait, CordonOnly: *cordonOnly, Spot: *spot}
+	req := controlRequest{Node: node, Provider: *provider, Grace: *grace, Wait: *wait, CordonOnly: *cordonOnly, Spot: *spot, Seconds: *seconds}
 	resp, err := controlCall(*dir, "/"+cmd, req)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "%s: %v\n", cmd, err)

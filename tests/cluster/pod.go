@@ -26,6 +26,8 @@ import (
 const (
 	sigterm = syscall.SIGTERM
 	sigkill = syscall.SIGKILL
+	sigstop = syscall.SIGSTOP
+	sigcont = syscall.SIGCONT
 	// serviceAccountMountPath is where the ServiceAccount admission plugin mounts the token.
 	serviceAccountMountPath = "/var/run/secrets/kubernetes.io/serviceaccount"
 	maxBackoff              = 20 * time.Second
@@ -178,6 +180,10 @@ func (w *podWorker) reconcile() bool {
 	defer w.mu.Unlock()
 	if w.a.dead.Load() {
 		return true
+	}
+	if w.a.frozen.Load() {
+		// Cut off (agent.freeze): nothing is started, stopped or reported until the thaw.
+		return false
 	}
 	pod := w.pod
 	if w.gone {

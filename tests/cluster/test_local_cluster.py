@@ -15,11 +15,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import pytest
 import urllib3
-from baton_testing.cluster import DEFAULT_CONFIG, LocalCluster
+from baton_testing.cluster import DEFAULT_CONFIG, LocalCluster, LocalClusterError
 from kubernetes import client
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
@@ -672,6 +673,63 @@ def test_kill_node_leads_to_not_ready_and_eviction(
     assert disruption
     assert disruption[0]["reason"] == "DeletionByTaintManager"
     assert node in node_names(core)  # the Node stays: no cloud removed it
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat: R, S, T (stopped), ..."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def _lease(local_cluster: LocalCluster, node: str) -> dict[str, Any]:
+    lease = client.CoordinationV1Api(local_cluster.api).read_namespaced_lease(
+        node, "kube-node-lease"
+    )
+    return cast(dict[str, Any], lease.to_dict(serialize=True)["spec"])
+
+
+def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node = local_cluster.add_node()
+    pod = run_pinned_sleeper(local_cluster, core, namespace, "blip", node)
+    uid = pod["metadata"]["uid"]
+    pids = local_cluster.pod_processes(uid)
+    assert pids
+    before = _lease(local_cluster, node)
+    # A kubelet renews every quarter of the Lease's duration; the agents every 2 s.
+    assert before["leaseDurationSeconds"] == 8
+    local_cluster.freeze_node(node, 6)
+    wait_for(
+        "every process of the pod to be stopped",
+        lambda: all(_process_state(p) == "T" for p in pids),
+        timeout=5,
+    )
+    frozen = _lease(local_cluster, node)["renewTime"]
+    time.sleep(3)  # more than one renew interval: a renewing agent would have written again
+    assert _lease(local_cluster, node)["renewTime"] == frozen, "renewed while frozen"
+    assert all(_process_state(p) == "T" for p in pids)
+    with pytest.raises(LocalClusterError, match="frozen already"):
+        local_cluster.freeze_node(node, 1)
+    wait_for(
+        "the Lease to be renewed after the thaw",
+        lambda: _lease(local_cluster, node)["renewTime"] != frozen,
+        timeout=15,
+    )
+    wait_for(
+        "the pod's processes to run again",
+        lambda: all(_process_state(p) in "RS" for p in pids),
+        timeout=5,
+    )
+    after = read_pod(core, namespace, "blip")
+    assert after is not None
+    assert after["status"]["phase"] == "Running"
+    assert after["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert local_cluster.pod_processes(uid) == pids, "nothing was killed or restarted"
+    assert node_ready(read_node(core, node)) == "True"
+    with pytest.raises(LocalClusterError, match="no live node"):
+        local_cluster.freeze_node("no-such-node", 1)
+    core.delete_namespaced_pod("blip", namespace, grace_period_seconds=0)
 
 
 def test_init_container_native_sidecar_and_on_failure_restart(
