@@ -127,9 +127,12 @@ def _lose_and_recover(baton: Baton, job: str, lost_rank: int, *, failures: int) 
     assert entry["resumeStep"] == last["restoredStep"], diag
     events = baton.events(job)
     lost_node = before[lost_rank]["spec"]["nodeName"]
-    # Judged by its Lease once the survivor's trainer broke, not by NotReady (OPERATOR_ARGS).
+    # Judged by its Lease, not by NotReady (OPERATOR_ARGS), once the ranks stopped hearing
+    # from it: whichever the operator saw first, the lost rank's sidecar refusing its poll or
+    # the survivor's trainer restarted on the broken process group.
+    reasons = (f"rank {lost_rank}'s sidecar", f"pod {job}-a0-r{survivor}'s trainer")
     assert any(
-        e.startswith(f"NodeSuspected: node {lost_node}: pod {job}-a0-r{survivor}'s trainer")
+        e.startswith(tuple(f"NodeSuspected: node {lost_node}: {r}" for r in reasons))
         for e in events
     ), diag
     assert any(
