@@ -325,8 +325,11 @@ class LocalCluster:
         """Cut ``node`` off for ``seconds``, then bring it back, as a network blip looks from
         outside: its Lease is not renewed nor its status posted, every process of its pods is
         stopped (SIGSTOP: a sidecar does not answer, a trainer does not step) and no container
-        starts; then the processes continue (SIGCONT) and the Lease is renewed at once.
-        Nothing is killed. Returns at once, or with ``wait`` once the node is back."""
+        starts; then the processes continue (SIGCONT) and the Lease is renewed and the node
+        status posted at once. Nothing is killed; a node killed while frozen stays dead.
+        Returns once the processes are stopped and no renewal is in flight (the thaw happens
+        in the cluster), or with ``wait`` once the node is back. A dead or already frozen node
+        raises :class:`LocalClusterError`."""
         extra = [node, "--seconds", str(seconds)]
         if wait:
             extra.append("--wait")

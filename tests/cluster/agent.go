@@ -58,10 +58,14 @@ type agent struct {
 	workers  map[types.UID]*podWorker
 	dead     atomic.Bool
 	shutdown atomic.Bool // graceful node shutdown in progress (no new pods start)
-	frozen   atomic.Bool // freeze: cut off for a while (no Lease, no status, processes stopped)
-	renewNow chan struct{}
-	nodeUID  types.UID
-	logf     func(string, ...any)
+	// frozen: freeze-node holds the node cut off (no Lease, no status, pod workers and probes
+	// idle, processes stopped). Changed only under hbMu.
+	frozen atomic.Bool
+	// hbMu is held around each Lease renewal and node status post, so a freeze waits out one
+	// already in flight and nothing reaches the API server once freeze returns.
+	hbMu    sync.Mutex
+	nodeUID types.UID
+	logf    func(string, ...any)
 }
 
 func newAgent(c *cluster, name string, spot bool) (*agent, error) {
@@ -88,7 +92,6 @@ func newAgent(c *cluster, name string, spot bool) (*agent, error) {
 	a := &agent{
 		c: c, name: name, spot: spot, client: client, ctx: ctx, cancel: cancel,
 		port: l.Addr().(*net.TCPAddr).Port, listener: l, workers: map[types.UID]*podWorker{},
-		renewNow: make(chan struct{}, 1),
 	}
 	a.logf = func(format string, args ...any) { c.logf("[%s] %s", name, fmt.Sprintf(format, args...)) }
 	return a, nil
@@ -269,48 +272,47 @@ func (a *agent) forget(uid types.UID) {
 }
 
 func (a *agent) leaseLoop() {
-	leases := a.client.CoordinationV1().Leases(corev1.NamespaceNodeLease)
 	t := time.NewTicker(leaseRenewInterval)
 	defer t.Stop()
 	for {
-		if a.frozen.Load() {
-			// Cut off: the Lease is not renewed until the thaw (freeze).
-			select {
-			case <-a.ctx.Done():
-				return
-			case <-t.C:
-			case <-a.renewNow:
-			}
-			continue
-		}
-		now := metav1.NewMicroTime(time.Now())
-		lease, err := leases.Get(a.ctx, a.name, metav1.GetOptions{})
-		switch {
-		case apierrors.IsNotFound(err):
-			lease = &coordinationv1.Lease{
-				ObjectMeta: metav1.ObjectMeta{
-					Name: a.name, Namespace: corev1.NamespaceNodeLease,
-					// Owned by the Node, as the kubelet does, so deleting the Node collects it.
-					OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: a.name, UID: a.nodeUID}},
-				},
-				Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(a.name), LeaseDurationSeconds: ptr.To(leaseDurationSecond), RenewTime: &now},
-			}
-			_, err = leases.Create(a.ctx, lease, metav1.CreateOptions{})
-		case err == nil:
-			lease.Spec.RenewTime = &now
-			lease.Spec.HolderIdentity = ptr.To(a.name)
-			lease.Spec.LeaseDurationSeconds = ptr.To(leaseDurationSecond)
-			_, err = leases.Update(a.ctx, lease, metav1.UpdateOptions{})
-		}
-		if err != nil && a.ctx.Err() == nil && !apierrors.IsConflict(err) {
-			a.logf("lease: %v", err)
-		}
+		a.renewLease()
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-t.C:
-		case <-a.renewNow:
 		}
+	}
+}
+
+// renewLease renews (or creates) the node's Lease once, unless the node is frozen or dead.
+func (a *agent) renewLease() {
+	a.hbMu.Lock()
+	defer a.hbMu.Unlock()
+	if a.frozen.Load() || a.dead.Load() || a.ctx.Err() != nil {
+		return
+	}
+	leases := a.client.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	now := metav1.NewMicroTime(time.Now())
+	lease, err := leases.Get(a.ctx, a.name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		lease = &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{
+				Name: a.name, Namespace: corev1.NamespaceNodeLease,
+				// Owned by the Node, as the kubelet does, so deleting the Node collects it.
+				OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: a.name, UID: a.nodeUID}},
+			},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(a.name), LeaseDurationSeconds: ptr.To(leaseDurationSecond), RenewTime: &now},
+		}
+		_, err = leases.Create(a.ctx, lease, metav1.CreateOptions{})
+	case err == nil:
+		lease.Spec.RenewTime = &now
+		lease.Spec.HolderIdentity = ptr.To(a.name)
+		lease.Spec.LeaseDurationSeconds = ptr.To(leaseDurationSecond)
+		_, err = leases.Update(a.ctx, lease, metav1.UpdateOptions{})
+	}
+	if err != nil && a.ctx.Err() == nil && !apierrors.IsConflict(err) {
+		a.logf("lease: %v", err)
 	}
 }
 
@@ -323,27 +325,34 @@ func (a *agent) statusLoop() {
 			return
 		case <-t.C:
 		}
-		if a.frozen.Load() {
-			continue
-		}
-		node, err := a.client.CoreV1().Nodes().Get(a.ctx, a.name, metav1.GetOptions{})
-		if err != nil {
-			continue
-		}
-		// Keep transition times of unchanged conditions, as the kubelet does.
-		fresh := a.nodeStatus()
-		for i := range fresh.Conditions {
-			for _, old := range node.Status.Conditions {
-				if old.Type == fresh.Conditions[i].Type && old.Status == fresh.Conditions[i].Status {
-					fresh.Conditions[i].LastTransitionTime = old.LastTransitionTime
-				}
+		a.postStatus()
+	}
+}
+
+// postStatus posts the node's status once, unless the node is frozen or dead.
+func (a *agent) postStatus() {
+	a.hbMu.Lock()
+	defer a.hbMu.Unlock()
+	if a.frozen.Load() || a.dead.Load() || a.ctx.Err() != nil {
+		return
+	}
+	node, err := a.client.CoreV1().Nodes().Get(a.ctx, a.name, metav1.GetOptions{})
+	if err != nil {
+		return
+	}
+	// Keep transition times of unchanged conditions, as the kubelet does.
+	fresh := a.nodeStatus()
+	for i := range fresh.Conditions {
+		for _, old := range node.Status.Conditions {
+			if old.Type == fresh.Conditions[i].Type && old.Status == fresh.Conditions[i].Status {
+				fresh.Conditions[i].LastTransitionTime = old.LastTransitionTime
 			}
 		}
-		fresh.NodeInfo.BootID = node.Status.NodeInfo.BootID
-		node.Status = fresh
-		if _, err := a.client.CoreV1().Nodes().UpdateStatus(a.ctx, node, metav1.UpdateOptions{}); err != nil && a.ctx.Err() == nil && !apierrors.IsConflict(err) {
-			a.logf("node status: %v", err)
-		}
+	}
+	fresh.NodeInfo.BootID = node.Status.NodeInfo.BootID
+	node.Status = fresh
+	if _, err := a.client.CoreV1().Nodes().UpdateStatus(a.ctx, node, metav1.UpdateOptions{}); err != nil && a.ctx.Err() == nil && !apierrors.IsConflict(err) {
+		a.logf("node status: %v", err)
 	}
 }
 
@@ -364,6 +373,10 @@ func (a *agent) killAll(sigtermFirst time.Duration) {
 	if sigtermFirst > 0 {
 		for _, w := range workers {
 			w.signalAll(sigterm)
+			if a.frozen.Load() {
+				// A stopped process acts on SIGTERM only once it runs again.
+				w.signalAll(sigcont)
+			}
 		}
 		deadline := time.Now().Add(sigtermFirst)
 		for time.Now().Before(deadline) {
@@ -387,49 +400,6 @@ func (a *agent) killAll(sigtermFirst time.Duration) {
 		w.dropMemoryVolumes()
 	}
 	_ = a.listener.Close()
-}
-
-// freeze cuts the node off for d, as a network partition looks from outside, then brings it
-// back: no Lease renewal or node status meanwhile, every pod's processes stopped (SIGSTOP, so
-// a sidecar does not answer and a trainer does not step) and no container started; then
-// SIGCONT and an immediate Lease renewal. Nothing is killed. A node killed meanwhile stays
-// dead (killAll SIGKILLs stopped processes too; the thaw then touches nothing).
-func (a *agent) freeze(d time.Duration) error {
-	if !a.frozen.CompareAndSwap(false, true) {
-		return fmt.Errorf("node %s is frozen already", a.name)
-	}
-	workers := a.snapshotWorkers()
-	for _, w := range workers {
-		w.signalAll(sigstop)
-	}
-	a.logf("frozen for %s", d)
-	time.Sleep(d)
-	if a.dead.Load() {
-		return nil
-	}
-	for _, w := range workers {
-		w.signalAll(sigcont)
-	}
-	a.frozen.Store(false)
-	select {
-	case a.renewNow <- struct{}{}:
-	default:
-	}
-	for _, w := range a.snapshotWorkers() {
-		w.kick()
-	}
-	a.logf("thawed after %s", d)
-	return nil
-}
-
-func (a *agent) snapshotWorkers() []*podWorker {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	workers := make([]*podWorker, 0, len(a.workers))
-	for _, w := range a.workers {
-		workers = append(workers, w)
-	}
-	return workers
 }
 
 // gracefulShutdown terminates every pod within grace, as the kubelet's graceful node shutdown

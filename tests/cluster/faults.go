@@ -150,34 +150,6 @@ func (c *cluster) handleKillNode(_ context.Context, req controlRequest) (control
 	return controlResponse{Node: req.Node, Message: "killed"}, nil
 }
 
-// handleFreezeNode cuts a node off for a while and brings it back (agent.freeze): a network
-// blip. It returns at once, or with Wait once the node is back.
-func (c *cluster) handleFreezeNode(_ context.Context, req controlRequest) (controlResponse, error) {
-	a, err := c.liveAgent(req.Node)
-	if err != nil {
-		return controlResponse{}, err
-	}
-	if req.Seconds <= 0 {
-		return controlResponse{}, fmt.Errorf("freeze-node: --seconds must be > 0")
-	}
-	if a.frozen.Load() {
-		return controlResponse{}, fmt.Errorf("node %s is frozen already", req.Node)
-	}
-	d := time.Duration(req.Seconds * float64(time.Second))
-	if req.Wait {
-		if err := a.freeze(d); err != nil {
-			return controlResponse{}, err
-		}
-		return controlResponse{Node: req.Node, Message: "thawed"}, nil
-	}
-	go func() {
-		if err := a.freeze(d); err != nil {
-			c.logf("freeze-node %s: %v", req.Node, err)
-		}
-	}()
-	return controlResponse{Node: req.Node, Message: "frozen"}, nil
-}
-
 func (c *cluster) addTaint(ctx context.Context, node string, taint corev1.Taint, labels map[string]string, cordon bool) error {
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		n, err := c.admin.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})

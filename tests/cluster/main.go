@@ -112,6 +112,10 @@ func cmdFault(cmd string, args []string) int {
 		fmt.Fprintf(os.Stderr, "%s: NODE is required\n%s", cmd, usage)
 		return 2
 	}
+	if cmd == "freeze-node" && *seconds <= 0 {
+		fmt.Fprintf(os.Stderr, "freeze-node: --seconds S > 0 is required\n%s", usage)
+		return 2
+	}
 	req := controlRequest{Node: node, Provider: *provider, Grace: *grace, Wait: *wait, CordonOnly: *cordonOnly, Spot: *spot, Seconds: *seconds}
 	resp, err := controlCall(*dir, "/"+cmd, req)
 	if err != nil {

@@ -182,7 +182,8 @@ func (w *podWorker) reconcile() bool {
 		return true
 	}
 	if w.a.frozen.Load() {
-		// Cut off (agent.freeze): nothing is started, stopped or reported until the thaw.
+		// Cut off (freeze.go): nothing is started, stopped or reported until the thaw, which
+		// kicks every worker.
 		return false
 	}
 	pod := w.pod

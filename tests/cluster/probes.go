@@ -28,6 +28,16 @@ func (w *podWorker) probeLoop(ctx context.Context, cr *containerRun, p corev1.Pr
 	}
 	var okRun, failRun int32
 	for {
+		if w.a.frozen.Load() {
+			// freeze-node: the container is stopped and the node cut off; no verdict counts.
+			okRun, failRun = 0, 0
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(period):
+			}
+			continue
+		}
 		ok := w.probeOnce(ctx, cr, p, timeout)
 		if ok {
 			okRun, failRun = okRun+1, 0

@@ -732,6 +732,35 @@ def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
     core.delete_namespaced_pod("blip", namespace, grace_period_seconds=0)
 
 
+def test_node_killed_while_frozen_stays_dead(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node = local_cluster.add_node()
+    pod = run_pinned_sleeper(local_cluster, core, namespace, "frozen-then-killed", node)
+    uid = pod["metadata"]["uid"]
+    pids = local_cluster.pod_processes(uid)
+    assert pids
+    # freeze-node returns with the processes stopped and no renewal in flight.
+    local_cluster.freeze_node(node, 3)
+    frozen = _lease(local_cluster, node)["renewTime"]
+    wait_for(
+        "every process of the pod to be stopped",
+        lambda: all(_process_state(p) == "T" for p in pids),
+        timeout=5,
+    )
+    local_cluster.kill_node(node)
+    wait_for(
+        "SIGKILL to end the stopped processes",
+        lambda: not local_cluster.pod_processes(uid),
+        timeout=10,
+    )
+    time.sleep(5)  # past the thaw that was due: it must not bring the heartbeat back
+    assert _lease(local_cluster, node)["renewTime"] == frozen, "a dead node renewed its Lease"
+    assert node not in local_cluster.nodes()
+    with pytest.raises(LocalClusterError, match="no live node"):
+        local_cluster.freeze_node(node, 1)
+
+
 def test_init_container_native_sidecar_and_on_failure_restart(
     local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
 ) -> None:
