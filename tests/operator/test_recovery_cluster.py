@@ -91,6 +91,24 @@ def _newest_step(out: Path) -> int:
     return max((step for step, _ in trainer.read_loss_log(out / "loss.log")), default=0)
 
 
+def _start_memory_tier_job(
+    baton: Baton, job: str, *, replicas: int, steps: int, every: int, max_failures: int = 1
+) -> None:
+    """Apply a job with the memory tier (a snapshot every step) and wait until it runs."""
+    manifest = baton.job_manifest(
+        job, steps=steps, every_steps=every, sleep=0.3, replicas=replicas,
+        failure_policy={"maxFailures": max_failures, "backoffSeconds": 1},
+    )  # fmt: skip
+    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
+    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
+    # A survivor's restarted trainer waits in the rendezvous for the replacement: give the
+    # process group time.
+    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
+    applied = baton.apply(manifest)
+    assert applied.returncode == 0, applied.stderr
+    baton.wait_phase(job, "Running", timeout=180)
+
+
 def _lose_and_recover(baton: Baton, job: str, lost_rank: int, *, failures: int) -> dict[str, Any]:
     """Kill ``lost_rank``'s node and check the recovery that follows: only that pod replaced
     (same name, new UID), the survivor's pod kept (same UID) with its trainer restarted in
@@ -162,18 +180,8 @@ def test_a_lost_node_costs_one_pod_and_a_snapshot_interval(baton: Baton, tmp_pat
     baton.cluster.add_node()  # for rank 0's
     job = unique("tj-recover")
     out = baton.workdir / job
-    manifest = baton.job_manifest(
-        job, steps=STEPS, every_steps=NO_DURABLE, sleep=0.3, replicas=REPLICAS,
-        failure_policy={"maxFailures": 2, "backoffSeconds": 1},
-    )  # fmt: skip
-    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
-    # The survivor's restarted trainer waits in the rendezvous for the replacement, which
-    # starts only after the node looks lost: give the process group time.
-    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
-    applied = baton.apply(manifest)
-    assert applied.returncode == 0, applied.stderr
-    baton.wait_phase(job, "Running", timeout=180)
+    _start_memory_tier_job(baton, job, replicas=REPLICAS, steps=STEPS, every=NO_DURABLE,
+                           max_failures=2)  # fmt: skip
     baton.wait_steps(job, 8)
     # The same training run as local processes, never interrupted: trained while the cluster
     # finds the first node lost (when only the survivor's trainer is left, waiting).
@@ -221,16 +229,7 @@ def test_both_copies_of_a_snapshot_lost_falls_back_to_the_durable_tier(
     baton.cluster.add_node()
     baton.cluster.add_node()
     job = unique("tj-durable")
-    manifest = baton.job_manifest(
-        job, steps=steps, every_steps=every, sleep=0.3, replicas=replicas,
-        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
-    )  # fmt: skip
-    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    trainer_c = manifest["spec"]["template"]["spec"]["containers"][0]
-    trainer_c["command"][trainer_c["command"].index("--timeout") + 1] = "120"
-    applied = baton.apply(manifest)
-    assert applied.returncode == 0, applied.stderr
-    baton.wait_phase(job, "Running", timeout=180)
+    _start_memory_tier_job(baton, job, replicas=replicas, steps=steps, every=every)
     baton.wait_for(
         job, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= every, timeout=120,
         what="a durable checkpoint",
@@ -292,14 +291,7 @@ def test_a_node_frozen_shorter_than_the_window_restarts_nothing(baton: Baton) ->
     # the job finishes with every rank exiting 0 and every step trained once.
     replicas, steps = 3, 40
     job = unique("tj-blip")
-    manifest = baton.job_manifest(
-        job, steps=steps, every_steps=NO_DURABLE, sleep=0.3, replicas=replicas,
-        failure_policy={"maxFailures": 1, "backoffSeconds": 1},
-    )  # fmt: skip
-    manifest["spec"]["checkpoint"].update({"fastEverySteps": 1, "fastSizeLimit": "64Mi"})
-    applied = baton.apply(manifest)
-    assert applied.returncode == 0, applied.stderr
-    baton.wait_phase(job, "Running", timeout=180)
+    _start_memory_tier_job(baton, job, replicas=replicas, steps=steps, every=NO_DURABLE)
     baton.wait_steps(job, 8)
     before = _pods_by_rank(baton, job)
     frozen = before[1]["spec"]["nodeName"]
