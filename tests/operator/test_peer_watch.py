@@ -196,16 +196,46 @@ def test_a_blip_a_sidecar_falls_silent_and_its_node_renews_restarts_nothing() ->
     assert len(_events(h, "NodeSuspected")) == 2
 
 
-def test_without_the_memory_tier_a_failed_rank_restarts_the_job_and_suspects_nothing() -> None:
+def test_without_the_memory_tier_the_old_pod_on_a_lost_node_goes_at_once_and_is_avoided() -> None:
+    # Rank 1's node died; ranks 0 and 2 broke on the process group and exited 1. The job
+    # restarts as a new attempt (no memory tier), which waits for the old pods to be gone;
+    # rank 1's never confirms a graceful delete (no kubelet), so its node is judged by its
+    # Lease, and once lost its pod goes at once and the next attempt avoids the node.
     h = Harness(maxFailures=2)
     h.running()
-    h.kube.pods[h.pod(0, 0)]["status"]["containerStatuses"] = [
-        {"name": "trainer", "state": {"terminated": {"exitCode": 1}}}
-    ]
+    h.kube.leases = {n: NodeLease(f"{n}-t0", 8) for n in ("n0", "n1", "n2")}
+    dead = h.pod(0, 1)
+    graceful = h.kube.delete_pod
+
+    async def no_kubelet_on_n1(namespace: str, name: str, *, grace_seconds: int | None) -> None:
+        if name == dead and grace_seconds:
+            h.kube.deleted.append((name, grace_seconds))
+            h.kube.pods[name]["metadata"]["deletionTimestamp"] = "2026-12-04T12:00:00Z"
+            return
+        await graceful(namespace, name, grace_seconds=grace_seconds)
+
+    h.kube.delete_pod = no_kubelet_on_n1  # type: ignore[method-assign]
+    for rank in (0, 2):
+        h.kube.pods[h.pod(0, rank)]["status"]["containerStatuses"] = [
+            {"name": "trainer", "state": {"terminated": {"exitCode": 1}}}
+        ]
     h.tick()
     assert h.kube.status["phase"] == "Restarting"
-    assert not _events(h, "NodeSuspected")
-    assert not h.kube.lease_reads
+    (suspected,) = _events(h, "NodeSuspected")
+    assert suspected.startswith("node n1: pod ")
+    h.tick()  # the old pods are deleted, rank 1's gracefully: its node is not judged yet
+    assert (dead, 0) not in h.kube.deleted
+    assert dead in h.kube.pods
+    suspicion = h.cluster.suspects["n1"]
+    assert suspicion.first_read is not None
+    suspicion.first_read -= timedelta(seconds=4)
+    _tick_later(h, "n1")
+    h.tick()
+    (lost,) = _events(h, "NodeLost")
+    assert lost.startswith("node n1 is lost")
+    assert (dead, 0) in h.kube.deleted, "removed at once once its node is lost"
+    assert "n1" in h.kube.status["avoidNodes"]
+    # (The next attempt's pods carry avoidNodes as a NotIn node affinity: creating.py.)
 
 
 def test_a_refused_lease_read_is_said_once_and_leaves_the_notready_path(

@@ -360,6 +360,14 @@ class Reconciler(Room):
         if stale:
             # The old attempt's pods must be fully gone before the new ones start: two
             # generations of ranks must never share a checkpoint directory or a rendezvous.
+            # One on a node the ranks stopped hearing from never confirms its graceful
+            # delete: judged lost by its Lease, it goes at once, and the next attempt avoids
+            # the node, which still looks Ready to the scheduler.
+            lost = await self._peer_watch.judge(t, {p.node for p in stale if p.node})
+            if lost - set(status.avoid_nodes):
+                avoid = sorted(set(status.avoid_nodes) | lost)
+                await self._patch(t, t.patch().set({"avoidNodes": avoid}))
+                t.status = status = replace(status, avoid_nodes=tuple(avoid))
             await self._actions.delete_pods(spec, stale, now)
             return
         if status.restart_after is not None and now < status.restart_after:

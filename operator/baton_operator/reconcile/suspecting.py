@@ -13,16 +13,19 @@ the verdict the NotReady path reaches tens of seconds later, and one that renews
 suspicion (a blip: nothing restarts). Each step is an
 Event on the job, so the on-call engineer sees why a pod was replaced, or why it was not.
 
-Only memory-tier jobs suspect on a failed trainer: without the memory tier a rank's failure
-restarts the whole job at once (lifecycle.classify), so a sooner verdict would change
-nothing. A silent sidecar is a reason for every job: a node frozen or cut off breaks nothing
-visible until the collective times out.
+Without the memory tier a rank's failure restarts the whole job at once (lifecycle.classify),
+and the verdict still matters: the old attempt's pod on a lost node never confirms its
+graceful deletion (no kubelet), and the next attempt waits until it is gone, so
+:meth:`PeerWatch.judge` also runs on an old attempt's pods (the controller's restart path),
+and a lost node's pod is then deleted at once and the node avoided. A silent sidecar is a
+reason for every job: a node frozen or cut off breaks nothing visible until the collective
+times out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from baton_operator.pure.errors import KubeError
@@ -62,8 +65,14 @@ class PeerWatch(Room):
                     f"node {node}: {reason}; it is lost if its kubelet does not renew its "
                     f"Lease within {_window(self._config.peer_lost_seconds)}",
                 )  # fmt: skip
-        lost = False
-        for node in sorted({v.node for v in t.views if v.node}):
+        return bool(await self.judge(t, {v.node for v in t.views if v.node}))
+
+    async def judge(self, t: Tick, nodes: Iterable[str]) -> set[str]:
+        """Read the Lease of each suspected node among ``nodes`` that is due, post what it
+        says, and return the nodes judged lost at this read. Also for an old attempt's pods:
+        a pod on a lost node is deleted at once, not after NotReady."""
+        lost: set[str] = set()
+        for node in sorted(set(nodes)):
             if not self._cluster.lease_due(node, now=t.now):
                 continue
             try:
@@ -78,6 +87,7 @@ class PeerWatch(Room):
                     )  # fmt: skip
                 continue
             reason = self._cluster.suspicion(node) or ""
+            was_lost = self._cluster.node_lost(node, now=t.now)
             verdict = self._cluster.lease_read(node, lease, now=t.now)
             if verdict is LeaseVerdict.RENEWED:
                 await self._event(
@@ -85,10 +95,8 @@ class PeerWatch(Room):
                     f"node {node} renewed its Lease: it is not lost ({reason}); nothing is "
                     "replaced",
                 )  # fmt: skip
-            elif verdict is LeaseVerdict.LOST and not any(
-                v.node_lost for v in t.views if v.node == node
-            ):
-                lost = True
+            elif verdict is LeaseVerdict.LOST and not was_lost:
+                lost.add(node)
                 await self._event(
                     t.job, "Warning", "NodeLost",
                     f"node {node} is lost: its kubelet did not renew its Lease for "
@@ -102,26 +110,25 @@ class PeerWatch(Room):
         names the evidence, so that one piece of evidence suspects a node once."""
         out: list[tuple[str, str, str]] = []
         views = [v for v in t.views if v.exists and v.node and not v.node_lost]
-        if t.spec.fast is not None:
-            accounted: Mapping[str, Any] = (t.job.get("status") or {}).get("trainerRestarts") or {}
-            broken: dict[int, tuple[str, str]] = {
-                p.rank: (
-                    f"pod {p.name}'s trainer failed (exit {p.trainer_last_exit}) and restarted",
-                    f"{p.name}:restart:{p.trainer_restarts}",
+        accounted: Mapping[str, Any] = (t.job.get("status") or {}).get("trainerRestarts") or {}
+        broken: dict[int, tuple[str, str]] = {
+            p.rank: (
+                f"pod {p.name}'s trainer failed (exit {p.trainer_last_exit}) and restarted",
+                f"{p.name}:restart:{p.trainer_restarts}",
+            )
+            for p in restarted(t.current.values(), accounted)
+        }
+        for v in t.views:
+            if v.exit_code not in (None, 0, EMERGENCY_EXIT_CODE) and not v.committed_notice:
+                broken.setdefault(
+                    v.rank,
+                    (f"pod {v.pod}'s trainer exited with code {v.exit_code}", f"{v.pod}:exit"),
                 )
-                for p in restarted(t.current.values(), accounted)
-            }
-            for v in t.views:
-                if v.exit_code not in (None, 0, EMERGENCY_EXIT_CODE) and not v.committed_notice:
-                    broken.setdefault(
-                        v.rank,
-                        (f"pod {v.pod}'s trainer exited with code {v.exit_code}", f"{v.pod}:exit"),
-                    )
-            broken_nodes = {v.node for v in t.views if v.rank in broken}
-            for rank, (what, key) in sorted(broken.items()):
-                for v in _peers_of(views, rank, broken, broken_nodes):
-                    assert v.node is not None
-                    out.append((v.node, f"{what}, as when a peer's node is lost", key))
+        broken_nodes = {v.node for v in t.views if v.rank in broken}
+        for rank, (what, key) in sorted(broken.items()):
+            for v in _peers_of(views, rank, broken, broken_nodes):
+                assert v.node is not None
+                out.append((v.node, f"{what}, as when a peer's node is lost", key))
         for s in views:
             if s.rank in t.memory.silent and s.node and s.running and not s.disrupted:
                 out.append(
