@@ -32,6 +32,7 @@ from .client.sidecars import SidecarClient
 from .pure import nodes as nodes_mod
 from .pure import notices, watches
 from .pure.errors import BatonOperatorError, KubeError, KubeRejectedError
+from .pure.pods import trainer_ended
 from .pure.settings import KEY_SECRET_NAME, OperatorConfig
 from .pure.watchcache import WatchCache
 from .reconcile.controller import ClusterView, JobMemory, Reconciler
@@ -308,13 +309,18 @@ async def _sweep_nodes(memo: kopf.Memo) -> None:
 @kopf.on.event(*watches.PODS.selector(), labels=dict(watches.MANAGED_BY))
 async def _pod_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     cache: WatchCache | None = memo.get("cache")
+    meta = body.get("metadata", {})
+    namespace = str(meta.get("namespace") or "")
+    old = cache.pod(namespace, str(meta.get("name") or "")) if cache is not None else None
     if cache is not None:
         cache.pod_event(event.get("type"), event.get("object") or {})
     config = _config(memo)
     notice = notices.pod_notice(body, now=datetime.now(tz=UTC), graces=config.graces)
-    if notice is None:
+    # A notice, or a trainer that exited or restarted (the first sign of a peer's lost
+    # node), wakes the job's daemon at once rather than at its next tick.
+    if notice is None and (event.get("type") == "DELETED" or not trainer_ended(old, body)):
         return
-    job = str(body.get("metadata", {}).get("labels", {}).get("baton.dev/job", ""))
-    waker = memo["wakers"].get((body.get("metadata", {}).get("namespace"), job))
+    job = str(meta.get("labels", {}).get("baton.dev/job", ""))
+    waker = memo["wakers"].get((namespace, job))
     if waker is not None:
         waker.set()

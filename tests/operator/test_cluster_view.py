@@ -137,6 +137,36 @@ def test_only_a_change_that_matters_wakes_the_jobs_daemons() -> None:
     assert not pending.is_set()
 
 
+def test_a_trainer_that_exits_or_restarts_wakes_its_jobs_daemon() -> None:
+    wake = asyncio.Event()
+    cache = WatchCache()
+    memo: dict[str, Any] = {
+        "config": OperatorConfig(), "wakers": {("team", "tj"): wake}, "cache": cache,
+    }  # fmt: skip
+
+    def pod(version: int, **trainer: Any) -> dict[str, Any]:
+        body = _pod("tj-a0-r0", "tj", "n1")
+        body["metadata"]["resourceVersion"] = str(version)
+        body["status"] = {"containerStatuses": [{"name": "trainer", **trainer}]}
+        return body
+
+    def event(kind: str, body: dict[str, Any]) -> bool:
+        wake.clear()
+        asyncio.run(handlers._pod_event(event={"type": kind, "object": body}, body=body,
+                                        memo=memo))  # fmt: skip
+        return wake.is_set()
+
+    running = {"state": {"running": {}}, "restartCount": 0}
+    assert not event("ADDED", pod(1, **running)), "a trainer starting wakes nobody"
+    assert not event("MODIFIED", pod(2, **running)), "nor does a routine update"
+    restarted = {"state": {"running": {}}, "restartCount": 1,
+                 "lastState": {"terminated": {"exitCode": 1}}}  # fmt: skip
+    assert event("MODIFIED", pod(3, **restarted)), "restarted in place: its process group broke"
+    assert not event("MODIFIED", pod(4, **restarted)), "the same restart again"
+    assert event("MODIFIED", pod(5, state={"terminated": {"exitCode": 1}}, restartCount=1))
+    assert not event("DELETED", pod(6, state={"terminated": {"exitCode": 1}}, restartCount=1))
+
+
 class _NodeList(http.server.BaseHTTPRequestHandler):
     """GET /api/v1/nodes of an API server that has one Node left, n1."""
 

@@ -229,6 +229,20 @@ def rank_view(
     )
 
 
+def trainer_ended(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether a pod's trainer exited or was restarted in place between two versions of the
+    pod: a moment the job's daemon should not wait a tick for (a rank that broke on its
+    process group is the first sign of a peer's lost node: suspecting.py)."""
+    after = PodView.from_body(new)
+    if old is None:
+        return after.trainer_exit_code is not None or after.trainer_restarts > 0
+    before = PodView.from_body(old)
+    return (after.trainer_exit_code, after.trainer_restarts) != (
+        before.trainer_exit_code,
+        before.trainer_restarts,
+    ) and (after.trainer_exit_code is not None or after.trainer_restarts > before.trainer_restarts)
+
+
 def restarted(pods: Iterable[PodView], accounted: Mapping[str, Any]) -> list[PodView]:
     """The pods whose trainer the kubelet restarted in place more often than ``accounted``
     (``status.trainerRestarts``: pod name -> the restarts already explained), by rank.

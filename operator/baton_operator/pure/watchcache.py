@@ -195,6 +195,11 @@ class WatchCache:
         names = self._job_pods.get((namespace, job), ())
         return [self._pods[(namespace, n)].entry.body for n in sorted(names)]
 
+    def pod(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """One pod as the watch last delivered it, or None."""
+        found = self._pods.get((namespace, name))
+        return found.entry.body if found else None
+
     def jobs_on(self, node: str) -> set[JobKey]:
         """The jobs with a pod bound to ``node``: those a notice on it concerns."""
         return {self._pods[key].job for key in self._node_pods.get(node, ()) if key in self._pods}
