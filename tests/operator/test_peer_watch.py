@@ -58,6 +58,20 @@ def test_a_lease_renewed_within_the_window_clears_the_suspicion() -> None:
     assert view.suspect("a", "new evidence", now=_at(61)), "a new reason suspects it again"
 
 
+def test_a_suspicion_nobody_reads_is_replaced_by_new_evidence_but_a_verdict_is_kept() -> None:
+    view = _view()
+    view.suspect("a", "old", now=T0)
+    view.lease_read("a", NodeLease("r1"), now=T0)
+    assert not view.suspect("a", "new", now=_at(119)), "still being judged"
+    assert view.suspect("a", "new", now=_at(121)), "nobody read it for 2 minutes"
+    assert view.suspicion("a") == "new"
+    view.suspect("b", "x", now=T0)
+    view.lease_read("b", NodeLease("r1"), now=T0)
+    assert view.lease_read("b", NodeLease("r1"), now=_at(4)) is LeaseVerdict.LOST
+    assert not view.suspect("b", "y", now=_at(600)), "a lost node stays lost"
+    assert view.node_lost("b", now=_at(600))
+
+
 def test_a_missing_lease_counts_as_unrenewed() -> None:
     view = _view()
     view.suspect("a", "x", now=T0)

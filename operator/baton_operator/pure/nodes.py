@@ -94,6 +94,12 @@ DEFAULT_LEASE_SECONDS: Final = 40.0
 """The kubelet's default ``nodeLeaseDurationSeconds``, for a Lease that states none."""
 
 
+SUSPICION_KEPT: Final = timedelta(minutes=2)
+"""A suspicion whose Lease nobody read for this long (the jobs that raised it ended or moved)
+is replaced by the next one; one that judged the node lost is kept until the node renews or
+is deleted."""
+
+
 @dataclass(frozen=True)
 class NodeLease:
     """What one read of a node's Lease says (``kube-node-lease/<node>``)."""
@@ -205,7 +211,17 @@ class ClusterView:
         when this is news: the node was not suspected yet, and the fast path is on
         (``peer_lost_seconds`` not 0). A node already lost, unknown or not Ready is left to
         the Node watch's path (its NotReady clock already runs, or it is gone)."""
-        if not node or self.config.peer_lost_seconds == 0 or node in self.suspects:
+        if not node or self.config.peer_lost_seconds == 0:
+            return False
+        found = self.suspects.get(node)
+        if (
+            found is not None
+            and found.lost_at is None
+            and now - (found.last_read or found.since) > SUSPICION_KEPT
+        ):
+            # Nobody has read its Lease for long (its jobs ended or moved): start afresh.
+            del self.suspects[node]
+        elif found is not None:
             return False
         if not self.node_ready(node):
             return False
