@@ -688,23 +688,35 @@ def _lease(local_cluster: LocalCluster, node: str) -> dict[str, Any]:
     return cast(dict[str, Any], lease.to_dict(serialize=True)["spec"])
 
 
-def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
-    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
-) -> None:
+def _sleeper_on_a_new_node(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str, name: str
+) -> tuple[str, str, list[int]]:
+    """A sleeper pod on a node of its own: (node, pod UID, the pod's process IDs)."""
     node = local_cluster.add_node()
-    pod = run_pinned_sleeper(local_cluster, core, namespace, "blip", node)
+    pod = run_pinned_sleeper(local_cluster, core, namespace, name, node)
     uid = pod["metadata"]["uid"]
     pids = local_cluster.pod_processes(uid)
     assert pids
-    before = _lease(local_cluster, node)
-    # A kubelet renews every quarter of the Lease's duration; the agents every 2 s.
-    assert before["leaseDurationSeconds"] == 8
-    local_cluster.freeze_node(node, 6)
+    return node, uid, pids
+
+
+def _all_stopped(pids: list[int]) -> None:
     wait_for(
         "every process of the pod to be stopped",
         lambda: all(_process_state(p) == "T" for p in pids),
         timeout=5,
     )
+
+
+def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
+    local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
+) -> None:
+    node, uid, pids = _sleeper_on_a_new_node(local_cluster, core, namespace, "blip")
+    before = _lease(local_cluster, node)
+    # A kubelet renews every quarter of the Lease's duration; the agents every 2 s.
+    assert before["leaseDurationSeconds"] == 8
+    local_cluster.freeze_node(node, 6)
+    _all_stopped(pids)
     frozen = _lease(local_cluster, node)["renewTime"]
     time.sleep(3)  # more than one renew interval: a renewing agent would have written again
     assert _lease(local_cluster, node)["renewTime"] == frozen, "renewed while frozen"
@@ -726,7 +738,14 @@ def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
     assert after["status"]["phase"] == "Running"
     assert after["status"]["containerStatuses"][0]["restartCount"] == 0
     assert local_cluster.pod_processes(uid) == pids, "nothing was killed or restarted"
-    assert node_ready(read_node(core, node)) == "True"
+    # 6 s without a renewal can exceed the 8 s node-monitor grace (the last renewal was up to
+    # 2 s before): the node may have been Unknown for a moment; the thaw's status makes it
+    # Ready again.
+    wait_for(
+        "the node to be Ready again",
+        lambda: node_ready(read_node(core, node)) == "True",
+        timeout=15,
+    )
     with pytest.raises(LocalClusterError, match="no live node"):
         local_cluster.freeze_node("no-such-node", 1)
     core.delete_namespaced_pod("blip", namespace, grace_period_seconds=0)
@@ -735,19 +754,11 @@ def test_freeze_node_stops_the_lease_and_the_processes_then_brings_both_back(
 def test_node_killed_while_frozen_stays_dead(
     local_cluster: LocalCluster, core: client.CoreV1Api, namespace: str
 ) -> None:
-    node = local_cluster.add_node()
-    pod = run_pinned_sleeper(local_cluster, core, namespace, "frozen-then-killed", node)
-    uid = pod["metadata"]["uid"]
-    pids = local_cluster.pod_processes(uid)
-    assert pids
+    node, uid, pids = _sleeper_on_a_new_node(local_cluster, core, namespace, "frozen-then-killed")
     # freeze-node returns with the processes stopped and no renewal in flight.
     local_cluster.freeze_node(node, 3)
     frozen = _lease(local_cluster, node)["renewTime"]
-    wait_for(
-        "every process of the pod to be stopped",
-        lambda: all(_process_state(p) == "T" for p in pids),
-        timeout=5,
-    )
+    _all_stopped(pids)
     local_cluster.kill_node(node)
     wait_for(
         "SIGKILL to end the stopped processes",
