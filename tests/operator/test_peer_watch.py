@@ -181,6 +181,18 @@ def test_a_survivors_failure_suspects_the_other_nodes_and_an_unrenewed_lease_rec
     assert h.kube.deleted == [(h.pod(0, 1), 0)], "the lost pod goes at once"
 
 
+def test_one_survivors_failure_suspects_every_other_node() -> None:
+    # Three ranks; only rank 0's restart is seen so far: it casts doubt on both other nodes
+    # (rank 1's and rank 2's), each suspected once for it.
+    h = _harness()
+    _restarted_in_place(h, h.pod(0, 0), 1)
+    h.tick()
+    h.tick()
+    suspected = _events(h, "NodeSuspected")
+    assert sorted(m.split(":")[0] for m in suspected) == ["node n1", "node n2"]
+    assert sorted(set(h.kube.lease_reads)) == ["n1", "n2"]
+
+
 def test_a_blip_a_sidecar_falls_silent_and_its_node_renews_restarts_nothing() -> None:
     h = _harness(progress_poll_seconds=0.001)
     _poll_tick(h)  # every sidecar answers

@@ -47,9 +47,9 @@ class JobMemory:
     counts as a crash once no recovery explained it for a while (recovering.py). Lost with
     the daemon, which only delays that count."""
     suspected: set[str] = field(default_factory=set)
-    """The evidence (keys such as ``pod:restart:2``) that already made this job suspect a
-    node (suspecting.py): each piece suspects once, so a cleared suspicion is not raised
-    again every tick by the same restart."""
+    """The evidence and node (``pod:restart:2@node``) that already made this job suspect a
+    node (suspecting.py): each piece suspects each node once, so a cleared suspicion is not
+    raised again every tick by the same restart."""
     silent: set[int] = field(default_factory=set)
     """Ranks whose sidecar answered this attempt and then did not (actions.poll_ranks)."""
     synced_at: datetime | None = None

@@ -357,5 +357,7 @@ class Actions(Room):
             memory.reports[v.rank] = live[v.rank]
             if v.rank in memory.silent:
                 memory.silent.discard(v.rank)
-                memory.suspected.discard(f"{v.pod}:silent")
+                memory.suspected = {
+                    k for k in memory.suspected if not k.startswith(f"{v.pod}:silent@")
+                }
         return live

@@ -56,9 +56,12 @@ class PeerWatch(Room):
         if self._config.peer_lost_seconds == 0:
             return False
         for node, reason, key in self._reasons(t):
-            if key in t.memory.suspected:
+            # One piece of evidence (a restart, an exit, a silence) may cast doubt on several
+            # nodes: each is suspected once for it.
+            mark = f"{key}@{node}"
+            if mark in t.memory.suspected:
                 continue
-            t.memory.suspected.add(key)
+            t.memory.suspected.add(mark)
             if self._cluster.suspect(node, reason, now=t.now):
                 await self._event(
                     t.job, "Normal", "NodeSuspected",
