@@ -204,8 +204,12 @@ def test_an_rbac_outage_is_visible_and_recovered_from(baton: Baton, binding_rest
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
     assert "APIForbidden" in degraded["message"], degraded
-    events = baton.events(job)
-    assert any(e.startswith("APIRecovered:") for e in events), events
+    # The Event follows the status write (faults._report patches, then posts): awaited, not
+    # read once the condition shows.
+    poll(
+        lambda: any(e.startswith("APIRecovered:") for e in baton.events(job)),
+        timeout=60, what="the APIRecovered Event", diag=diag,
+    )  # fmt: skip
     final = baton.wait_phase(job, "Succeeded", timeout=360)
     assert final["failures"] == 0
     baton.delete(job)
