@@ -88,20 +88,7 @@ class PodView:
         spec: Mapping[str, Any] = pod.get("spec") or {}
         status: Mapping[str, Any] = pod.get("status") or {}
         labels: Mapping[str, Any] = meta.get("labels") or {}
-        running, exit_code, restarts, last_exit = False, None, 0, None
-        for cs in status.get("containerStatuses") or []:
-            if cs.get("name") != manifests.TRAINER_NAME:
-                continue
-            state = cs.get("state") or {}
-            if "terminated" in state:
-                exit_code = int(state["terminated"].get("exitCode", 1))
-            else:
-                running = "running" in state
-            restarts = int(cs.get("restartCount") or 0)
-            last = (cs.get("lastState") or {}).get("terminated")
-            if last is not None:
-                last_exit = int(last.get("exitCode", 1))
-            break
+        running, exit_code, restarts, last_exit = _trainer(status)
         unschedulable = any(
             c.get("type") == "PodScheduled"
             and c.get("status") == "False"
@@ -125,6 +112,23 @@ class PodView:
             unschedulable=unschedulable,
             body=pod,
         )
+
+
+def _trainer(status: Mapping[str, Any]) -> tuple[bool, int | None, int, int | None]:
+    """The trainer container's (running, exit code, restart count, last exit code)."""
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != manifests.TRAINER_NAME:
+            continue
+        state = cs.get("state") or {}
+        running, exit_code = False, None
+        if "terminated" in state:
+            exit_code = int(state["terminated"].get("exitCode", 1))
+        else:
+            running = "running" in state
+        last = (cs.get("lastState") or {}).get("terminated")
+        last_exit = None if last is None else int(last.get("exitCode", 1))
+        return running, exit_code, int(cs.get("restartCount") or 0), last_exit
+    return False, None, 0, None
 
 
 def _sidecar_final(status: Mapping[str, Any]) -> SidecarStatus | None:
@@ -233,14 +237,14 @@ def trainer_ended(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool
     """Whether a pod's trainer exited or was restarted in place between two versions of the
     pod: a moment the job's daemon should not wait a tick for (a rank that broke on its
     process group is the first sign of a peer's lost node: suspecting.py)."""
-    after = PodView.from_body(new)
+    # Only the trainer's status is read: this runs on every pod event (handlers.py).
+    _, exit_after, restarts_after, _ = _trainer(new.get("status") or {})
     if old is None:
-        return after.trainer_exit_code is not None or after.trainer_restarts > 0
-    before = PodView.from_body(old)
-    return (after.trainer_exit_code, after.trainer_restarts) != (
-        before.trainer_exit_code,
-        before.trainer_restarts,
-    ) and (after.trainer_exit_code is not None or after.trainer_restarts > before.trainer_restarts)
+        return exit_after is not None or restarts_after > 0
+    _, exit_before, restarts_before, _ = _trainer(old.get("status") or {})
+    if (exit_after, restarts_after) == (exit_before, restarts_before):
+        return False
+    return exit_after is not None or restarts_after > restarts_before
 
 
 def restarted(pods: Iterable[PodView], accounted: Mapping[str, Any]) -> list[PodView]:
