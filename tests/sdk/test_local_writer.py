@@ -76,3 +76,93 @@ def test_a_save_with_early_writeback_round_trips(
     trainer_sdk.load(dest, str(tmp_path))
     for k, v in state.items():
         assert torch.equal(dest[k], v), k
+
+
+# ------------------------------------------------ spares: the memory tier overwrites old files
+
+
+def _bytes(n: int, seed: int) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+
+
+def _write(storage: local.LocalStorage, path: str, data: bytes) -> local.LocalWriter:
+    w = storage.open_writer(path, size_hint=len(data))
+    w.write(data[: len(data) // 3])
+    w.write(data[len(data) // 3 :])
+    w.commit()
+    return w
+
+
+def test_a_recycled_tree_leaves_its_large_files_and_the_next_writes_overwrite_them(
+    tmp_path: Path,
+) -> None:
+    mib = local.SPARE_MIN_BYTES
+    storage = local.LocalStorage(str(tmp_path), spares=".spare")
+    big, bigger, small = _bytes(2 * mib, 1), _bytes(3 * mib, 2), _bytes(mib // 2, 3)
+    assert not _write(storage, "old/a.bin", big).reused  # no spare yet: a new file
+    _write(storage, "old/b.bin", bigger)
+    _write(storage, "old/c.json", small)
+    inodes = {os.stat(tmp_path / "old" / n).st_ino for n in ("a.bin", "b.bin")}
+
+    storage.recycle_tree("old")
+    assert not (tmp_path / "old").exists()
+    spares = sorted(os.path.getsize(p) for p in (tmp_path / ".spare").iterdir())
+    assert spares == [2 * mib, 3 * mib]  # the small file was deleted, not kept
+    # A small write never takes a spare (the shards need them).
+    assert not _write(storage, "new/c.json", small).reused
+    assert len(list((tmp_path / ".spare").iterdir())) == 2
+
+    # A write takes the smallest spare that holds it; the commit cuts it to what was written.
+    shorter = _bytes(2 * mib - 5, 4)
+    w = _write(storage, "new/a.bin", shorter)
+    assert w.reused
+    assert (tmp_path / "new" / "a.bin").read_bytes() == shorter
+    assert os.stat(tmp_path / "new" / "a.bin").st_ino in inodes
+    # A longer write than any spare grows the largest one.
+    longer = _bytes(4 * mib + 7, 5)
+    assert _write(storage, "new/b.bin", longer).reused
+    assert (tmp_path / "new" / "b.bin").read_bytes() == longer
+    # No spare left: a new file.
+    assert not _write(storage, "new/c.bin", big).reused
+    assert storage.list_dir("") == [".spare", "new"]
+    assert list((tmp_path / ".spare").iterdir()) == []
+    assert all(".tmp-" not in p.name for p in (tmp_path / "new").iterdir())
+
+
+def test_spares_never_hold_more_than_one_recycled_tree(tmp_path: Path) -> None:
+    mib = local.SPARE_MIN_BYTES
+    storage = local.LocalStorage(str(tmp_path), spares=".spare")
+    for tree, seed in (("one", 1), ("two", 2)):
+        _write(storage, f"{tree}/x.bin", _bytes(2 * mib, seed))
+        _write(storage, f"{tree}/y.bin", _bytes(2 * mib, seed + 10))
+    storage.recycle_tree("one")
+    storage.recycle_tree("two")  # one's spares were not taken: they go first
+    assert len(list((tmp_path / ".spare").iterdir())) == 2
+    # Without spares, recycling is deleting.
+    plain = local.LocalStorage(str(tmp_path / "plain"))
+    _write(plain, "t/x.bin", _bytes(2 * mib, 3))
+    plain.recycle_tree("t")
+    assert plain.list_dir("") == []
+
+
+def test_writers_racing_for_spares_each_take_another_or_a_new_file(tmp_path: Path) -> None:
+    mib = local.SPARE_MIN_BYTES
+    storage = local.LocalStorage(str(tmp_path), spares=".spare")
+    _write(storage, "old/x.bin", _bytes(2 * mib, 1))
+    _write(storage, "old/y.bin", _bytes(2 * mib, 2))
+    storage.recycle_tree("old")
+    spares = sorted(str(p) for p in (tmp_path / ".spare").iterdir())
+    # Three writers reach for the same spares in the same order (as the processes of one pod
+    # can): the first takes the first, the second the next, the third gets a new file.
+    writers = [
+        local.LocalWriter(str(tmp_path / f"{n}.bin"), str(tmp_path), spares=spares)
+        for n in ("a", "b", "c")
+    ]
+    assert [w.reused for w in writers] == [True, True, False]
+    for w, seed in zip(writers, (7, 8, 9), strict=True):
+        w.write(_bytes(mib + 3, seed))
+        w.commit()
+    for n, seed in zip(("a", "b", "c"), (7, 8, 9), strict=True):
+        assert (tmp_path / f"{n}.bin").read_bytes() == _bytes(mib + 3, seed)
+    assert list((tmp_path / ".spare").iterdir()) == []

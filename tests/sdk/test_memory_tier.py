@@ -391,6 +391,83 @@ def test_ranks_agree_on_a_step_every_rank_can_load(tmp_path: Path) -> None:
     assert "could not be loaded" in log0, log0
 
 
+# ------------------------------ three ranks of one pod overwrite the snapshot before last
+
+
+def _square_layers(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Nine 1 MiB tensors with AdamW's state: every rank's shard is over SPARE_MIN_BYTES."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512, bias=False) for _ in range(3)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _recycling_body(root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    base = Path(root)
+    fast = base / "fast"  # one pod's emptyDir, shared by its 3 ranks
+    model, opt = _square_layers(0)
+
+    def checkpointer() -> trainer_sdk.Checkpointer:
+        return trainer_sdk.Checkpointer(
+            base / "ck", model=model, optimizer=opt, every_steps=4, fast_every_steps=1,
+            fast_dir=fast, handle_sigterm=False, timeout=120,
+        )  # fmt: skip
+
+    def shard_inodes(step: int) -> list[int]:
+        d = fast / f"{STEP_PREFIX}{step:012d}"
+        return sorted(os.stat(d / n).st_ino for n in os.listdir(d) if n.endswith(".safetensors"))
+
+    out: dict[str, Any] = {"inodes": {}, "dirs": []}
+    with checkpointer() as ck:
+        ck.restore()
+        for step in range(1, 9):
+            x = torch.randn(16, 512, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ck.step(step)
+            ck.wait()
+            dist.barrier()  # every rank's write of this step is over before anyone looks
+            out["inodes"][step] = shard_inodes(step)
+            out["dirs"].append(sorted(os.listdir(fast)))
+            dist.barrier()
+    out["digest"] = _digest(model, opt)
+    dist.barrier()
+
+    model, opt = _square_layers(100 + dist.get_rank())  # other values everywhere
+    with checkpointer() as ck:
+        out["restored"] = [ck.restore(), ck.restored.tier, _digest(model, opt)]
+    return out
+
+
+@pytest.mark.e2e  # three real ranks
+def test_a_pods_ranks_overwrite_the_snapshot_before_last_and_restore_bitwise(
+    tmp_path: Path,
+) -> None:
+    """A snapshot takes the shard files of the one before the last (writing new files on tmpfs
+    costs 3x the CPU), from any rank of the pod, and nothing it writes is lost or mixed."""
+    group = start_ranks(_recycling_body, 3, args=(str(tmp_path),), timeout=600)
+    results = group.wait()
+    assert all(r.ok for r in results), [(r.error, r.output[-3000:]) for r in results]
+    v = results[0].value
+    inodes = {int(k): set(ino) for k, ino in v["inodes"].items()}
+    assert all(len(ino) == 3 for ino in inodes.values()), inodes  # one shard per rank
+    for step in range(3, 9):
+        # the files of step - 2 went to the spares when step - 1 committed, and this step's
+        # three shards overwrote exactly them (whichever rank took whichever)
+        assert inodes[step] == inodes[step - 2], (step, inodes)
+    # once a snapshot is done: it alone, and from step 2 the spares (the files of step - 1)
+    assert v["dirs"][0] == [f"{STEP_PREFIX}{1:012d}"]
+    for step, names in enumerate(v["dirs"][1:], start=2):
+        assert names == [".spare", f"{STEP_PREFIX}{step:012d}"], names
+    for r in results:
+        assert r.value["digest"] == v["digest"]  # DDP-free, the same batches: one state
+        assert r.value["restored"] == [8, "memory", v["digest"]]
+    # the durable tier has no spares: its steps are whole and load bitwise too
+    assert trainer_sdk.list_steps(str(tmp_path / "ck")) == [4, 8]
+
+
 # ----------------------------------- a node lost without notice: 3 ranks, resume, bitwise
 
 

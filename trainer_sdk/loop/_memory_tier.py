@@ -75,7 +75,8 @@ from trainer_sdk.saveload._collectives import all_gather_json, group_rank_world
 from trainer_sdk.saveload._committing import build_manifest, commit_manifest
 from trainer_sdk.saveload._saving import write_rank
 from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver
-from trainer_sdk.storage import Storage, open_storage
+from trainer_sdk.storage import Storage
+from trainer_sdk.storage.local import LocalStorage
 
 __all__ = [
     "TRIGGER",
@@ -88,6 +89,12 @@ log = logging.getLogger("trainer_sdk.memory_tier")
 
 TRIGGER: Final = "memory"
 """The ``trigger`` a snapshot's manifest records (kept when it is promoted)."""
+SPARES: Final = ".spare"
+"""The directory in ``fast_dir`` that keeps the shard files of the snapshot last deleted, for
+the next snapshot to overwrite (:meth:`LocalStorage.recycle_tree`): writing a new file on
+tmpfs costs about 3x the CPU of overwriting one (the kernel allocates, zeroes and later frees
+every page), and that CPU comes out of the training step beside it. Not a step directory:
+nothing lists or replicates it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,7 +158,7 @@ class MemoryTier:
                 "under the checkpoint uri"
             )
         os.makedirs(fast_dir.removeprefix("file://"), exist_ok=True)
-        self.storage: Storage = open_storage(fast_dir)
+        self.storage = LocalStorage.from_uri(fast_dir, spares=SPARES)
         self.every_steps = every_steps
         self.local_rank = local_rank
         self.saver = AsyncSaver(timeout=timeout)
@@ -286,10 +293,26 @@ class MemoryTier:
 
     def _delete_older(self, committed: int) -> None:
         """Delete every snapshot directory older than ``committed`` (complete or not), except
-        one being promoted."""
-        for name in self.storage.list_dir(""):
-            old = parse_step_dir(name)
-            if old is not None and old < committed and not self.promotion.holds(old):
+        one being promoted; the newest of them leaves its shard files as spares for the next
+        snapshot (:data:`SPARES`). Nothing reads them any more: a restore, the only reader of
+        an older snapshot, never runs beside a snapshot, and the sidecar sends a step while
+        the tier waits for it. (A sidecar still sending it after the tier stopped waiting,
+        half the collective timeout, would read overwritten bytes; the receiving peer checks
+        every file against the manifest's digests and refuses such a replica, as any cut
+        short.)"""
+        older = [
+            step
+            for step in map(parse_step_dir, self.storage.list_dir(""))
+            if step is not None and step < committed and not self.promotion.holds(step)
+        ]
+        for old in sorted(older):
+            if old == max(older):
+                try:
+                    self.storage.recycle_tree(step_dir(old))
+                except OSError as e:
+                    log.warning("could not recycle memory snapshot of step %d: %s", old, e)
+                    delete_snapshot(self.storage, old)
+            else:
                 delete_snapshot(self.storage, old)
 
     def _replicate(self, step: int, timeout: float) -> bool | None:

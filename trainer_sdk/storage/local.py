@@ -33,7 +33,7 @@ import secrets
 import shutil
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, cast
 from urllib.parse import unquote, urlparse
 
@@ -98,9 +98,18 @@ def _is_temp(name: str) -> bool:
 
 
 class LocalWriter:
-    """Streams one file to a temp name; :meth:`commit` makes it durable and visible."""
+    """Streams one file to a temp name; :meth:`commit` makes it durable and visible.
 
-    def __init__(self, final: str, directory: str) -> None:
+    With ``spares`` (files of a deleted checkpoint, best first, see
+    :meth:`LocalStorage.recycle_tree`) the temp file *is* the first of them this writer can
+    take, renamed to the temp name and overwritten from its first byte; the commit cuts it to
+    the bytes written. On tmpfs that is a third of the CPU of writing a new file (no page to
+    allocate, zero and later free). Spares must be files in ``directory``'s filesystem that
+    nothing else reads: ``rename(2)`` takes one atomically, so two writers never both take
+    one (the loser tries the next); with none left the writer creates a new file.
+    """
+
+    def __init__(self, final: str, directory: str, *, spares: Sequence[str] = ()) -> None:
         self._final = final
         self._dir = directory
         base = os.path.basename(final)
@@ -109,10 +118,18 @@ class LocalWriter:
         )
         self._written = 0
         self._flushed = 0
+        self.reused = False
+        """Whether this writer overwrites a spare file rather than a new one."""
+        for spare in spares:
+            try:
+                os.rename(spare, self._tmp)
+            except FileNotFoundError:  # another writer took it, or the spares were emptied
+                continue
+            self.reused = True
+            break
+        flags = os.O_WRONLY | _O_NOFOLLOW | _O_CLOEXEC
         self._fd: int | None = os.open(
-            self._tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-            0o644,
+            self._tmp, flags if self.reused else flags | os.O_CREAT | os.O_EXCL, 0o644
         )
 
     @property
@@ -137,6 +154,8 @@ class LocalWriter:
             raise StorageError(f"{self._final}: commit after commit or abort")
         fd, self._fd = self._fd, None
         try:
+            if self.reused:
+                os.ftruncate(fd, self._written)  # a larger spare's old tail goes
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -152,22 +171,33 @@ class LocalWriter:
             os.unlink(self._tmp)
 
 
-class LocalStorage:
-    """A checkpoint root on a POSIX filesystem (``/abs/path``, ``rel/path`` or ``file://``)."""
+SPARE_MIN_BYTES: Final = 1024 * 1024
+"""Files smaller than this are deleted, not kept as spares (their pages cost little)."""
 
-    def __init__(self, root: str) -> None:
+
+class LocalStorage:
+    """A checkpoint root on a POSIX filesystem (``/abs/path``, ``rel/path`` or ``file://``).
+
+    With ``spares`` (a directory name under the root, for the memory tier's tmpfs),
+    :meth:`recycle_tree` keeps a deleted tree's large files there, and :meth:`open_writer`
+    overwrites one of them instead of creating a file. At most one recycled tree's files are
+    kept: each recycle first deletes the spares the writes since the last one did not take.
+    """
+
+    def __init__(self, root: str, *, spares: str | None = None) -> None:
         self._root = os.path.abspath(root)
+        self._spares = spares
 
     @classmethod
-    def from_uri(cls, uri: str) -> LocalStorage:
+    def from_uri(cls, uri: str, *, spares: str | None = None) -> LocalStorage:
         if uri.startswith("file://"):
             parsed = urlparse(uri)
             if parsed.netloc not in ("", "localhost"):
                 raise StorageError(f"{uri}: file:// URIs must be local (file:///abs/path)")
-            return cls(unquote(parsed.path))
+            return cls(unquote(parsed.path), spares=spares)
         if "://" in uri:
             raise StorageError(f"{uri}: unsupported scheme; use a path, file:// or s3://")
-        return cls(uri)
+        return cls(uri, spares=spares)
 
     @property
     def root(self) -> str:
@@ -234,7 +264,53 @@ class LocalStorage:
         full = self._path(path)
         directory = os.path.dirname(full)
         self._makedirs(directory)
-        return LocalWriter(full, directory)
+        return LocalWriter(full, directory, spares=self._pick_spares(size_hint))
+
+    def _spare_dir(self) -> str | None:
+        return None if self._spares is None else self._path(self._spares)
+
+    def _pick_spares(self, size_hint: int | None) -> list[str]:
+        """Spare files for a write of about ``size_hint`` bytes, best first: those that hold
+        it, smallest first, then the others, largest first (a spare grows); in random order
+        among equal sizes, so that the processes of a pod writing at once rarely reach for
+        the same one. None without spares or for a write under :data:`SPARE_MIN_BYTES`."""
+        spare_dir = self._spare_dir()
+        if spare_dir is None or size_hint is None or size_hint < SPARE_MIN_BYTES:
+            return []
+        sizes: list[tuple[int, int, str]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(spare_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file(follow_symlinks=False):
+                        size = entry.stat(follow_symlinks=False).st_size
+                        sizes.append((size, secrets.randbits(32), entry.path))
+        holds = sorted(s for s in sizes if s[0] >= size_hint)
+        short = sorted((s for s in sizes if s[0] < size_hint), key=lambda s: (-s[0], s[1]))
+        return [path for _, _, path in holds + short]
+
+    def recycle_tree(self, path: str) -> None:
+        """Delete the tree ``path``, keeping its files of at least :data:`SPARE_MIN_BYTES` as
+        spares for the next writes (without ``spares``: :meth:`delete_tree`). The spares the
+        writes since the last recycle did not take are deleted first, so the spares never
+        hold more than one tree. Only for trees nothing reads any more: a spare is
+        overwritten in place."""
+        spare_dir = self._spare_dir()
+        full = self._path(path)
+        if spare_dir is None or not os.path.isdir(full) or os.path.islink(full):
+            self.delete_tree(path)
+            return
+        self._makedirs(spare_dir)
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(spare_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+        for parent, _dirs, files in os.walk(full):
+            for name in files:
+                src = os.path.join(parent, name)
+                st = os.lstat(src)
+                if stat.S_ISREG(st.st_mode) and st.st_size >= SPARE_MIN_BYTES:
+                    os.rename(src, os.path.join(spare_dir, secrets.token_hex(8)))
+        self.delete_tree(path)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         w = self.open_writer(path, size_hint=len(data))
