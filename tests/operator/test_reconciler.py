@@ -865,10 +865,21 @@ def test_pods_carry_the_disruption_hints_exactly_while_the_notice_save_is_in_fli
     h = Harness()
     h.running()
     assert h.kube.annotation_patches == [], "no hint while nothing is being saved"
+    # What the API server holds when each request goes out.
+    seen: list[tuple[str, int]] = []
+    ask = h.sidecars.request_checkpoint
+
+    async def request(ip: str, token: str, *, deadline: datetime, reason: str) -> str:
+        seen.append((h.kube.status["phase"], len(h.kube.annotation_patches)))
+        return await ask(ip, token, deadline=deadline, reason=reason)
+
+    h.sidecars.request_checkpoint = request  # type: ignore[method-assign]
     h.spot_notice("n1")
-    h.tick()  # Checkpointing: the hints go on in the same tick, before any request is sent
+    h.tick()  # Checkpointing: the requests first (the deadline's path), then record, hints
     assert h.kube.status["phase"] == "Checkpointing"
-    assert h.sidecars.requests == []
+    assert seen == [("Running", 0)] * REPLICAS, "every request before any write"
+    assert h.kube.status["notice"]["requestIds"] == [f"req-10.0.0.{r + 1}" for r in range(3)]
+    assert h.kube.status["notice"]["requestedAt"] == h.kube.status["notice"]["receivedAt"]
     assert _annotations(h, 0) == [HINTS] * REPLICAS
     h.report_all(state="saving", trigger="notice")
     patches = len(h.kube.annotation_patches)
@@ -1189,11 +1200,12 @@ def test_suspend_checkpoints_every_rank_first_then_stops_the_pods_and_resumes_th
     assert status["notice"]["source"] == "suspend"
     assert h.kube.condition("Checkpointing")["reason"] == "Suspend"
     assert h.kube.deleted == []
-    assert h.sidecars.requests == []
-    h.report_all(state="requested")
-    h.tick()
+    # asked in the same tick, before the status was written
     assert sorted(ip for ip, _, _ in h.sidecars.requests) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     assert all(reason.startswith("suspend:") for _, _, reason in h.sidecars.requests)
+    h.report_all(state="requested")
+    h.tick()
+    assert len(h.sidecars.requests) == REPLICAS, "asked once"
     deadline = h.sidecars.requests[0][1]
     assert deadline >= datetime.now(tz=UTC) + timedelta(
         seconds=h.config.suspend_save_seconds - 5

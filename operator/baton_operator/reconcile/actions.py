@@ -19,6 +19,7 @@ asked for and committed (:func:`requested_checkpoint`), and whether ``masterAddr
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Mapping, Sequence
@@ -136,11 +137,15 @@ class Actions(Room):
     ) -> None:
         """Move a running attempt to ``Checkpointing``: a notice's save and a suspend's.
 
-        One status write records the request in ``status.notice`` (``source``, ``nodes``,
-        ``reason`` and ``deadline``, given at least ``minCheckpointWindowSeconds``) with the
-        caller's other ``fields``; the hints follow, then an Event (``event``: its type and
+        The requests go first: every rank's sidecar is asked at once (the deadline's critical
+        path: at 100 jobs under one tainted node, the status writes of the jobs before this one
+        queue at the API server for seconds). Then one status write records the notice in
+        ``status.notice`` (``source``, ``nodes``, ``reason`` and ``deadline``, given at least
+        ``minCheckpointWindowSeconds``, and the requests: ``requestedAt``, ``requestIds``) with
+        the caller's other ``fields``; the hints follow, then an Event (``event``: its type and
         reason) with the message "<why>: asking all N ranks to checkpoint before <deadline>
-        <then>". The requests themselves go at the next tick (``NoticePath.checkpointing``).
+        <then>". An operator stopped between the requests and the write sees the notice again
+        and asks again: a sidecar merges a request into the one it is serving (one save).
         """
         deadline = lifecycle.clamp_deadline(
             deadline, now=t.now,
@@ -154,6 +159,10 @@ class Actions(Room):
         record = NoticeRecord.render(
             source=source, nodes=nodes, reason=reason, deadline=deadline, received_at=t.now
         )
+        described = NoticeRecord.from_status(record)
+        assert described is not None
+        ids = await self.request_checkpoints(t, deadline=deadline, reason=described.describe())
+        record = {**record, "requestedAt": iso(t.now), "requestIds": ids}
         await self._patch(
             t,
             t.patch()
@@ -163,6 +172,23 @@ class Actions(Room):
         )
         await self.hint(t, list(t.current.values()), Phase.CHECKPOINTING)
         await self._event(t.job, *event, message)
+
+    async def request_checkpoints(self, t: Tick, *, deadline: datetime, reason: str) -> list[str]:
+        """Ask every running rank's sidecar for a checkpoint before ``deadline``, all at once;
+        returns the request ids by rank ("" for a rank not asked or not answering)."""
+
+        async def ask(v: RankView) -> str:
+            if not v.ip or v.exit_code is not None:
+                return ""
+            try:
+                return await self._sidecars.request_checkpoint(
+                    v.ip, t.memory.token or "", deadline=deadline, reason=reason
+                )
+            except SidecarUnreachableError as e:
+                _log.warning("checkpoint request to rank %d failed: %s", v.rank, e)
+                return ""
+
+        return list(await asyncio.gather(*(ask(v) for v in t.views)))
 
     async def _gone_unseen(self, pod: PodView, now: datetime) -> None:
         """A pod whose graceful deletion is overdue, on a node thought alive: if the Node no

@@ -1,11 +1,11 @@
 """The notice path: a notice seen, every rank asked for a checkpoint, the verdict carried out.
 
 A notice on a running attempt (``pods.notice_for``: a node's taint, label or cordon, a pod's
-``DisruptionTarget``) moves the job to ``Checkpointing``: one status write records the notice
-(``status.notice``: source, nodes, reason, the clamped deadline) and the nodes to avoid
+``DisruptionTarget``) moves the job to ``Checkpointing``: every rank's sidecar is sent a
+checkpoint request at once, then one status write records the notice (``status.notice``:
+source, nodes, reason, the clamped deadline, the request ids) and the nodes to avoid
 (:meth:`NoticePath.begin`, through ``Actions.ask_checkpoint`` as a suspend's save does). The
-next tick sends each rank's sidecar a checkpoint request and records their ids; the ticks after
-poll the sidecars until ``lifecycle.checkpoint_verdict`` decides
+ticks after poll the sidecars until ``lifecycle.checkpoint_verdict`` decides
 (:meth:`NoticePath.checkpointing`): the save committed (a preemption restarts from it), or it
 failed or ran out of time (a preemption restarts from the newest step known to be committed). A
 suspend's save takes the same path and ends in ``suspending.py``. With the memory tier, a
@@ -23,7 +23,6 @@ from datetime import datetime
 from typing import Any
 
 from baton_operator.pure import economics, lifecycle, reports
-from baton_operator.pure.errors import SidecarUnreachableError
 from baton_operator.pure.jobstatus import NO_NOTICE_REASON, NoticeRecord, iso
 from baton_operator.pure.lifecycle import SUSPEND_SOURCE, Phase, VerdictKind
 from baton_operator.pure.model import LastCheckpoint
@@ -103,18 +102,10 @@ class NoticePath(Room):
         replicas = len(views)
         ids = list(notice.request_ids) if notice else []
         if notice is None or notice.requested_at is None:
-            ids = []
+            # Not asked yet: a status written by hand or by an older operator (``begin`` asks
+            # before it records the notice).
             reason = notice.describe() if notice else NO_NOTICE_REASON
-            for v in views:
-                rid = ""
-                if v.ip and v.exit_code is None:
-                    try:
-                        rid = await self._sidecars.request_checkpoint(
-                            v.ip, memory.token or "", deadline=deadline, reason=reason
-                        )
-                    except SidecarUnreachableError as e:
-                        _log.warning("checkpoint request to rank %d failed: %s", v.rank, e)
-                ids.append(rid)
+            ids = await self._actions.request_checkpoints(t, deadline=deadline, reason=reason)
             await self._patch(
                 t, t.patch().set({"notice": {"requestedAt": iso(now), "requestIds": ids}})
             )
