@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import kubernetes.client
 import yaml
@@ -417,8 +417,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedule", type=Path, default=None, help="replay this schedule file")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument(
-        "--render", type=Path, default=None,
-        help="only write goodput.md and goodput.png again from this goodput.json",
+        "--render", type=Path, nargs="+", default=None,
+        help="only write goodput.md, goodput.png and goodput.json into --out from these "
+        "goodput.json files: the methods of runs made one at a time (each alone on the "
+        "machine) on the same schedule and job, in one table and plot",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per method")
     args = p.parse_args(argv)
@@ -431,6 +433,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_SAME_JOB: Final = ("steps", "every_steps", "fast_every_steps", "d_model", "n_layers",
+                    "batch_size", "step_sleep", "seed", "mtbi", "mix")  # fmt: skip
+"""The arguments that make two runs' rows comparable (the job and the schedule's model)."""
+
+
+def merge_runs(runs: list[dict[str, Any]], paths: list[Path]) -> dict[str, Any]:
+    """One ``goodput.json`` from the runs of several commands: their rows in method order
+    (a method in two runs: the later file's), goodput and bitwise equality computed again
+    against the merged uninterrupted row. Refuses runs of another job or schedule."""
+    first = runs[0]
+    for data, path in zip(runs[1:], paths[1:], strict=True):
+        differ = [k for k in _SAME_JOB if data["args"].get(k) != first["args"].get(k)]
+        if data["schedule"]["interruptions"] != first["schedule"]["interruptions"]:
+            differ.append("schedule")
+        if differ:
+            raise SystemExit(
+                f"--render: {path} was run with other {', '.join(differ)} than {paths[0]}; "
+                "only runs of the same job on the same schedule (--schedule FILE) go in one table"
+            )
+    by_method = {r["method"]: r for data in runs for r in data["rows"]}
+    rows = [by_method[m] for m in METHODS if m in by_method]
+    add_goodput(rows, int(first["args"]["steps"]))
+    return {**first, "rows": rows, "seconds": sum(float(d["seconds"]) for d in runs),
+            "merged_from": [str(p) for p in paths]}  # fmt: skip
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -439,8 +467,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns what it wrote to ``goodput.json``."""
     args = parse(argv)
     if args.render is not None:
-        data = json.loads(args.render.read_text())
+        data = merge_runs([json.loads(path.read_text()) for path in args.render], args.render)
         args.out.mkdir(parents=True, exist_ok=True)
+        if len(args.render) > 1:
+            (args.out / "goodput.json").write_text(json.dumps(data, indent=1) + "\n")
         render(data, args.out.resolve())
         return data
     signal.signal(signal.SIGTERM, _on_sigterm)  # stop the cluster and the S3 server on exit
