@@ -9,13 +9,20 @@ Prints one table, all figures measured side by side in this run (alternating, me
    process on the SDK's request (``trainer_sdk.replication``: request file, streamed HTTP
    PUTs in ``BATON_REPLICATION_CHUNK_BYTES`` chunks, the receiver hashing every chunk
    against the manifest's digest and writing to its ``/dev/shm`` directory, manifest last),
-   timed from the request to the answer;
+   timed from the request to the answer. The snapshots are successive steps, as in
+   training (the receiver keeps the newest replica and writes each one into the files of the
+   one before the last); one replication before the timed ones fills the receiver;
 2. **plain loopback copy**: the same files, sent by one Python process over one TCP
    connection in chunks of the same size (``socket.sendall``) to a second process that
    writes them to ``/dev/shm`` (``readinto`` and ``write``), no hashing: the floor for any
    copy between two processes on this machine;
 3. **loopback copy + digest**: the same, with the receiver hashing every chunk with the
    manifest's algorithm (what verifying on arrival costs at least).
+
+Every row also gives the CPU seconds per GiB that both ends spent (the two sidecar
+processes and the loopback's receiver, from ``/proc``; its sender, this process, from
+``getrusage``):
+on a training node that CPU comes out of the training step beside it.
 
 Usage: ``python bench/replication.py [--mib 256] [--tensors 8] [--repeat 5]``.
 Not a test: timings are never assertions.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -132,8 +140,25 @@ def _wait(cond: object, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _loopback(files: list[Path], algorithm: str, out: Path) -> float:
-    """Seconds to send ``files`` to a fresh receiver process that writes (and hashes) them."""
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (every thread), from ``/proc``."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process so far."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
+def _loopback(files: list[Path], algorithm: str, out: Path) -> tuple[float, float]:
+    """Seconds to send ``files`` to a fresh receiver process that writes (and hashes) them,
+    and the CPU seconds both processes spent on it (from the first byte to the receiver's
+    answer: not the receiver's start-up)."""
     port_file = out / "port"
     recv = subprocess.Popen(
         [sys.executable, "-c", _RECEIVER, str(port_file), str(out), algorithm, str(CHUNK)],
@@ -143,6 +168,7 @@ def _loopback(files: list[Path], algorithm: str, out: Path) -> float:
         _wait(port_file.exists, "the receiver")
         port = int(port_file.read_text())
         buf = bytearray(CHUNK)
+        cpu0 = _own_cpu() + _cpu_seconds([recv.pid])
         t0 = time.perf_counter()
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(" ".join(f"{p.name}:{p.stat().st_size}" for p in files).encode() + b"\n")
@@ -152,10 +178,11 @@ def _loopback(files: list[Path], algorithm: str, out: Path) -> float:
                         s.sendall(memoryview(buf)[:n])
             assert s.recv(2) == b"ok"
         seconds = time.perf_counter() - t0
+        used = _own_cpu() + _cpu_seconds([recv.pid]) - cpu0
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"quit\n")
         recv.wait(30)
-        return seconds
+        return seconds, used
     finally:
         if recv.poll() is None:
             recv.kill()
@@ -170,6 +197,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     root = _shm()
+    before = " ".join(map(str, os.getloadavg()))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         pa, pb = _free_port(), _free_port()
@@ -181,7 +209,10 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         state = {f"t{i}": torch.randn(numel, generator=gen) for i in range(args.tensors)}
         step = 1
-        trainer_sdk.save(state, str(root / "a" / "fast"), step=step)
+        for i in range(args.repeat + 1):  # successive snapshots, each replicated once
+            with torch.no_grad():
+                state["t0"][0] = i
+            trainer_sdk.save(state, str(root / "a" / "fast"), step=step + i)
         snap = root / "a" / "fast" / f"step-{step:012d}"
         files = sorted(snap.iterdir())
         nbytes = sum(f.stat().st_size for f in files)
@@ -191,34 +222,43 @@ def main() -> None:
         link = SidecarLink(root / "a" / "control")
         _wait(link.available, "the sidecar's advert")
         _wait(SidecarLink(root / "b" / "control").available, "the peer's advert")
-        replica = root / "b" / "fast" / "replicas"
         loop_out = _shm()
         times: dict[str, list[float]] = {"replication": [], "loopback": [], "digest": []}
-        for _ in range(args.repeat):
-            shutil.rmtree(replica, ignore_errors=True)
-            replica.mkdir(parents=True)
+        cpu: dict[str, list[float]] = {k: [] for k in times}
+        sidecars = [proc.pid for proc in procs]
+        for i in range(args.repeat + 1):
+            cpu0 = _cpu_seconds(sidecars)
             t0 = time.perf_counter()
-            answer = link.call(REPLICATE, step=step, timeout=600)
-            times["replication"].append(time.perf_counter() - t0)
+            answer = link.call(REPLICATE, step=step + i, timeout=600)
+            seconds = time.perf_counter() - t0
             if not answer.ok:
                 raise SystemExit(f"replication failed: {answer.error}")
-            times["loopback"].append(_loopback(files, "none", loop_out))
-            times["digest"].append(_loopback(files, algorithm, loop_out))
+            if i == 0:
+                continue  # fills the receiver: from here each replica has one before it
+            times["replication"].append(seconds)
+            cpu["replication"].append(_cpu_seconds(sidecars) - cpu0)
+            for key, algo in (("loopback", "none"), ("digest", algorithm)):
+                seconds, used = _loopback(files, algo, loop_out)
+                times[key].append(seconds)
+                cpu[key].append(used)
         shutil.rmtree(loop_out, ignore_errors=True)
         med = {k: statistics.median(v) for k, v in times.items()}
+        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
         mib = nbytes / (1 << 20)
         print(f"snapshot: {mib:.0f} MiB in {len(files)} files ({algorithm} digests), "
               f"chunk {CHUNK >> 10} KiB, median of {args.repeat}")  # fmt: skip
-        print("| copy | seconds | MiB/s | vs plain loopback |")
-        print("|---|---|---|---|")
+        print(f"load average before: {before}, after: {' '.join(map(str, os.getloadavg()))}")
+        print("| copy | seconds | MiB/s | vs plain loopback | CPU s per GiB (both ends) |")
+        print("|---|---|---|---|---|")
         rows = [
             ("plain loopback copy (2 processes, TCP)", "loopback"),
             (f"loopback copy + {algorithm} on receive", "digest"),
             ("sidecar replication (verified, manifest last)", "replication"),
         ]
         for label, key in rows:
+            per_gib = med_cpu[key] * 1024 / mib
             print(f"| {label} | {med[key]:.3f} | {mib / med[key]:.0f} | "
-                  f"{med[key] / med['loopback']:.2f}x |")  # fmt: skip
+                  f"{med[key] / med['loopback']:.2f}x | {per_gib:.2f} |")  # fmt: skip
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)

@@ -57,7 +57,6 @@ class PeerTransport:
     def push(self, peer: Peer, source: str, held: Held) -> int:
         """Stream every file (verified by the peer on arrival), then the manifest."""
         conn, base = self.connection(peer.address)
-        chunk = bytearray(self.config.replication_chunk_bytes)
         total = 0
         try:
             prefix = f"{base}/v1/replicas/{source}/{held.step}"
@@ -71,13 +70,12 @@ class PeerTransport:
                 conn.putheader("X-Baton-Digest", f"{algorithm}={want}")
                 conn.endheaders()
                 with open(held.directory / name, "rb", buffering=0) as f:
-                    left = size
-                    while left > 0:
-                        n = f.readinto(memoryview(chunk)[: min(len(chunk), left)])
-                        if not n:
-                            raise OSError(f"{name} ended {left} bytes early while it was sent")
-                        conn.send(memoryview(chunk)[:n])
-                        left -= n
+                    # sendfile(2): the kernel copies the file's pages to the socket, with no
+                    # trip through this process's memory
+                    assert conn.sock is not None  # connected by endheaders()
+                    sent = conn.sock.sendfile(f, 0, size)
+                    if sent != size:
+                        raise OSError(f"{name} ended {size - sent} bytes early while it was sent")
                 self._expect_ok(conn, name)
                 total += size
                 with self._lock:

@@ -325,7 +325,9 @@ async def _put_replica(request: web.Request) -> web.Response:
         hasher = new_hasher(algorithm)
         size = 0
         try:
-            with open(part, "wb") as out:
+            # A spare file begin_file took is overwritten in place (no new pages), then cut to
+            # what arrived.
+            with open(part, "r+b" if part.exists() else "wb") as out:
                 # Each piece as it arrives (at most `chunk` bytes), hashed and written on the
                 # event loop: into memory (tmpfs) that is a fraction of a millisecond per MiB,
                 # cheaper than a hand-off to a thread and back.
@@ -340,6 +342,7 @@ async def _put_replica(request: web.Request) -> web.Response:
                     # and it counts as a failed receive like a short or corrupt body does.
                     why = f"the sender went away after {size} of {expected} bytes ({e})"
                     raise replicator.store.refused(source, step, name, why) from e
+                out.truncate()
             replicator.store.end_file(
                 source,
                 step,

@@ -154,6 +154,37 @@ def test_a_snapshot_is_replicated_verified_and_only_the_newest_is_kept(
     assert set(item["files"]) == set(item["digests"])
 
 
+def test_a_replica_overwrites_the_files_of_the_one_before_last_and_arrives_whole(
+    pods: Callable[..., list[SidecarProcess]],
+) -> None:
+    """The receiver writes each replica into the files of the replica before the last (on
+    tmpfs a new file costs 3x the CPU), grown or cut to the new size; the sender sends the
+    files with sendfile(2). Every replica is byte for byte the snapshot."""
+    a, b = pods(2)
+    link = SidecarLink(a.control_dir)
+    wait_for(link.available, what="the sidecar's replication advert")
+    replicas = _fast(b) / "replicas" / SOURCE
+    inodes: dict[int, int] = {}
+    # over 1 MiB each (spares are only kept from there); step 5 larger, step 6 smaller
+    sizes = {3: 1 << 19, 4: 1 << 19, 5: (1 << 19) + 4099, 6: (1 << 18) + 3}
+    for step, numel in sizes.items():
+        _snapshot(_fast(a), step, numel=numel)
+        answer = link.call(REPLICATE, step=step, timeout=60)
+        assert answer.ok, answer
+        held = replicas / _step(step)
+        assert _files(held) == _files(_fast(a) / _step(step))
+        [shard] = [n for n in os.listdir(held) if n.endswith(".safetensors")]
+        inodes[step] = (held / shard).stat().st_ino
+        assert sorted(os.listdir(replicas)) == [_step(step)], "only the newest is kept"
+    assert inodes[5] == inodes[3]
+    assert inodes[6] == inodes[4]
+    assert inodes[4] != inodes[3]
+    # the spares are never listed, served or counted as a replica
+    assert _replication(b)["held"] == [{"source": SOURCE, "step": 6, "complete": True}]
+    r = requests.get(f"{b.url}/v1/replicas", headers=b.headers(), timeout=10)
+    assert [(h["source"], h["step"]) for h in r.json()["holdings"]] == [(SOURCE, 6)]
+
+
 def test_fill_completes_a_replaced_pod_from_its_peer_verified(
     pods: Callable[..., list[SidecarProcess]], tmp_path: Path
 ) -> None:

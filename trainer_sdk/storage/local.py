@@ -40,7 +40,14 @@ from urllib.parse import unquote, urlparse
 from trainer_sdk.errors import ManifestError, StorageError
 from trainer_sdk.storage.base import TooLargeError
 
-__all__ = ["LocalStorage", "LocalWriter"]
+__all__ = [
+    "SPARE_MIN_BYTES",
+    "LocalStorage",
+    "LocalWriter",
+    "keep_as_spares",
+    "spare_candidates",
+    "take_spare",
+]
 
 _TMP_MARK: Final = ".tmp-"
 _O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
@@ -97,6 +104,60 @@ def _is_temp(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
+SPARE_MIN_BYTES: Final = 1024 * 1024
+"""Files smaller than this are deleted, not kept as spares (their pages cost little)."""
+
+
+def spare_candidates(spare_dir: str, size_hint: int | None) -> list[str]:
+    """Spare files in ``spare_dir`` for a write of about ``size_hint`` bytes, best first: those
+    that hold it, smallest first, then the others, largest first (a spare grows); in random
+    order among equal sizes, so that processes writing at once rarely reach for the same one.
+    None for a write under :data:`SPARE_MIN_BYTES`."""
+    if size_hint is None or size_hint < SPARE_MIN_BYTES:
+        return []
+    sizes: list[tuple[int, int, str]] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(spare_dir):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_file(follow_symlinks=False):
+                    size = entry.stat(follow_symlinks=False).st_size
+                    sizes.append((size, secrets.randbits(32), entry.path))
+    holds = sorted(s for s in sizes if s[0] >= size_hint)
+    short = sorted((s for s in sizes if s[0] < size_hint), key=lambda s: (-s[0], s[1]))
+    return [path for _, _, path in holds + short]
+
+
+def take_spare(candidates: Sequence[str], dest: str) -> bool:
+    """Rename the first of ``candidates`` this process can take to ``dest``; whether one was
+    taken. ``rename(2)`` is atomic: two takers never get the same file (the loser tries the
+    next)."""
+    for spare in candidates:
+        try:
+            os.rename(spare, dest)
+        except FileNotFoundError:  # another writer took it, or the spares were emptied
+            continue
+        return True
+    return False
+
+
+def keep_as_spares(tree: str, spare_dir: str) -> None:
+    """Move the files of ``tree`` of at least :data:`SPARE_MIN_BYTES` into ``spare_dir`` (on
+    the same filesystem), after deleting the spares there that no write took since the last
+    call, so that the spares never hold more than one tree. The caller deletes what is left
+    of ``tree``. Only for files nothing reads any more: a spare is overwritten in place."""
+    os.makedirs(spare_dir, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(spare_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    for parent, _dirs, files in os.walk(tree):
+        for name in files:
+            src = os.path.join(parent, name)
+            st = os.lstat(src)
+            if stat.S_ISREG(st.st_mode) and st.st_size >= SPARE_MIN_BYTES:
+                os.rename(src, os.path.join(spare_dir, secrets.token_hex(8)))
+
+
 class LocalWriter:
     """Streams one file to a temp name; :meth:`commit` makes it durable and visible.
 
@@ -118,15 +179,8 @@ class LocalWriter:
         )
         self._written = 0
         self._flushed = 0
-        self.reused = False
+        self.reused = take_spare(spares, self._tmp)
         """Whether this writer overwrites a spare file rather than a new one."""
-        for spare in spares:
-            try:
-                os.rename(spare, self._tmp)
-            except FileNotFoundError:  # another writer took it, or the spares were emptied
-                continue
-            self.reused = True
-            break
         flags = os.O_WRONLY | _O_NOFOLLOW | _O_CLOEXEC
         self._fd: int | None = os.open(
             self._tmp, flags if self.reused else flags | os.O_CREAT | os.O_EXCL, 0o644
@@ -169,10 +223,6 @@ class LocalWriter:
                 os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(self._tmp)
-
-
-SPARE_MIN_BYTES: Final = 1024 * 1024
-"""Files smaller than this are deleted, not kept as spares (their pages cost little)."""
 
 
 class LocalStorage:
@@ -270,23 +320,8 @@ class LocalStorage:
         return None if self._spares is None else self._path(self._spares)
 
     def _pick_spares(self, size_hint: int | None) -> list[str]:
-        """Spare files for a write of about ``size_hint`` bytes, best first: those that hold
-        it, smallest first, then the others, largest first (a spare grows); in random order
-        among equal sizes, so that the processes of a pod writing at once rarely reach for
-        the same one. None without spares or for a write under :data:`SPARE_MIN_BYTES`."""
         spare_dir = self._spare_dir()
-        if spare_dir is None or size_hint is None or size_hint < SPARE_MIN_BYTES:
-            return []
-        sizes: list[tuple[int, int, str]] = []
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(spare_dir):
-                with contextlib.suppress(FileNotFoundError):
-                    if entry.is_file(follow_symlinks=False):
-                        size = entry.stat(follow_symlinks=False).st_size
-                        sizes.append((size, secrets.randbits(32), entry.path))
-        holds = sorted(s for s in sizes if s[0] >= size_hint)
-        short = sorted((s for s in sizes if s[0] < size_hint), key=lambda s: (-s[0], s[1]))
-        return [path for _, _, path in holds + short]
+        return [] if spare_dir is None else spare_candidates(spare_dir, size_hint)
 
     def recycle_tree(self, path: str) -> None:
         """Delete the tree ``path``, keeping its files of at least :data:`SPARE_MIN_BYTES` as
@@ -296,20 +331,9 @@ class LocalStorage:
         overwritten in place."""
         spare_dir = self._spare_dir()
         full = self._path(path)
-        if spare_dir is None or not os.path.isdir(full) or os.path.islink(full):
-            self.delete_tree(path)
-            return
-        self._makedirs(spare_dir)
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(spare_dir):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-        for parent, _dirs, files in os.walk(full):
-            for name in files:
-                src = os.path.join(parent, name)
-                st = os.lstat(src)
-                if stat.S_ISREG(st.st_mode) and st.st_size >= SPARE_MIN_BYTES:
-                    os.rename(src, os.path.join(spare_dir, secrets.token_hex(8)))
+        if spare_dir is not None and os.path.isdir(full) and not os.path.islink(full):
+            self._makedirs(spare_dir)
+            keep_as_spares(full, spare_dir)
         self.delete_tree(path)
 
     def write_atomic(self, path: str, data: bytes) -> None:
