@@ -20,6 +20,11 @@ Prints one table, all figures measured side by side in this run:
    for cores and the GIL, these bound the slowdown of row 1: the blocking part is added to
    every snapshot step, and the write shares the process with the training step.
 
+4. Why a snapshot overwrites the files of the one before the last: the CPU seconds of
+   writing the ``--mib`` MiB state into a new file on ``/dev/shm`` (then deleted, as an old
+   snapshot was) against writing it into the same file again (what the memory tier's spares
+   do), alternating, median of ``--repeat``. ``--files-only`` prints just this row.
+
 Usage: ``python bench/fast_tier.py [--steps 120] [--runs 2] [--mib 256] [--repeat 7]``.
 Not a test: timings are never assertions.
 """
@@ -200,6 +205,39 @@ def bench_parts(root: Path, steps: int, skip: int) -> dict[str, float]:
     return {"parts_block_s": statistics.median(blocks), "parts_write_s": statistics.median(writes)}
 
 
+def bench_files(mib: int, repeat: int) -> dict[str, float]:
+    """CPU seconds of writing ``mib`` MiB into a new tmpfs file (deleted after) and into an
+    existing one, alternating; medians."""
+    data = torch.randn(mib << 18).numpy()  # mib MiB of float32
+    view = memoryview(data).cast("B")
+    piece = 8 << 20
+    fast = _shm_dir()
+    path = fast / "shard"
+
+    def write(flags: int) -> float:
+        t0 = time.process_time()
+        fd = os.open(path, flags, 0o644)
+        try:
+            for off in range(0, len(view), piece):
+                os.write(fd, view[off : off + piece])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.process_time() - t0
+
+    new, again = [], []
+    try:
+        write(os.O_WRONLY | os.O_CREAT)  # the first file (an older snapshot's)
+        for _ in range(repeat):
+            again.append(write(os.O_WRONLY))
+            t0 = time.process_time()
+            path.unlink()
+            new.append(write(os.O_WRONLY | os.O_CREAT) + time.process_time() - t0)
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
+    return {"file_new_cpu_s": statistics.median(new), "file_again_cpu_s": statistics.median(again)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=120, help="tinylm steps per run")
@@ -208,7 +246,24 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10, help="a second fast_every_steps measured")
     p.add_argument("--mib", type=int, default=256, help="state size of the blocking figure")
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--files-only", action="store_true", help="only row 4 (new file or again)")
     args = p.parse_args()
+    files = bench_files(args.mib, args.repeat)
+    file_rows = [
+        (
+            f"write {args.mib} MiB into a new /dev/shm file (CPU)",
+            f"{files['file_new_cpu_s'] * 1e3:.1f} ms",
+            f"{files['file_new_cpu_s'] / files['file_again_cpu_s']:.2f}x",
+        ),
+        (
+            f"write {args.mib} MiB into the same file again (CPU)",
+            f"{files['file_again_cpu_s'] * 1e3:.1f} ms",
+            "1.00x",
+        ),
+    ]
+    if args.files_only:
+        _print(file_rows, files)
+        return
     root = Path(tempfile.mkdtemp(prefix="baton-bench-"))
     try:
         r: dict[str, Any] = {}
@@ -247,11 +302,17 @@ def main() -> None:
             f"{r['parts_write_s'] * 1e3:.1f} ms",
             f"{r['parts_write_s'] / r['step_off_s'] * 100:.0f} % of a step without the tier",
         ),
+        *file_rows,
     ]
+    _print(rows, {**r, **files})
+
+
+def _print(rows: list[tuple[str, str, str]], figures: dict[str, Any]) -> None:
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     width = max(len(a) for a, _, _ in rows)
     for a, b, c in rows:
         print(f"{a:<{width}}  {b:>10}  {c}")
-    print(json.dumps(r))
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ PART: Final = ".part"
 SPARES: Final = ".spare"
 """The directory in ``fast_dir/{REPLICA_DIR}`` that keeps, per source, the files of the replica
 last superseded, for the next replica's files to overwrite (as the trainer's snapshots do:
-:data:`trainer_sdk.loop._memory_tier.SPARES`): on tmpfs a new file costs about 3x the CPU of
+:data:`trainer_sdk.loop._memory_tier.SPARES`): on tmpfs a new file costs about 4x the CPU of
 overwriting one. Not a source key: nothing lists or serves it."""
 
 

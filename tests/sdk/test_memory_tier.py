@@ -446,7 +446,7 @@ def test_a_pods_ranks_overwrite_the_snapshot_before_last_and_restore_bitwise(
     tmp_path: Path,
 ) -> None:
     """A snapshot takes the shard files of the one before the last (writing new files on tmpfs
-    costs 3x the CPU), from any rank of the pod, and nothing it writes is lost or mixed."""
+    costs 4x the CPU), from any rank of the pod, and nothing it writes is lost or mixed."""
     group = start_ranks(_recycling_body, 3, args=(str(tmp_path),), timeout=600)
     results = group.wait()
     assert all(r.ok for r in results), [(r.error, r.output[-3000:]) for r in results]

@@ -158,7 +158,7 @@ def test_a_replica_overwrites_the_files_of_the_one_before_last_and_arrives_whole
     pods: Callable[..., list[SidecarProcess]],
 ) -> None:
     """The receiver writes each replica into the files of the replica before the last (on
-    tmpfs a new file costs 3x the CPU), grown or cut to the new size; the sender sends the
+    tmpfs a new file costs 4x the CPU), grown or cut to the new size; the sender sends the
     files with sendfile(2). Every replica is byte for byte the snapshot."""
     a, b = pods(2)
     link = SidecarLink(a.control_dir)

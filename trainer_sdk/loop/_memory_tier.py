@@ -92,7 +92,7 @@ TRIGGER: Final = "memory"
 SPARES: Final = ".spare"
 """The directory in ``fast_dir`` that keeps the shard files of the snapshot last deleted, for
 the next snapshot to overwrite (:meth:`LocalStorage.recycle_tree`): writing a new file on
-tmpfs costs about 3x the CPU of overwriting one (the kernel allocates, zeroes and later frees
+tmpfs costs about 4x the CPU of overwriting one (the kernel allocates, zeroes and later frees
 every page), and that CPU comes out of the training step beside it. Not a step directory:
 nothing lists or replicates it."""
 
