@@ -162,7 +162,8 @@ class SidecarConfig:
     failure_domain: str = ""
     """This pod's failure domain (node, pool or zone); peers of the same domain are skipped."""
     replication_chunk_bytes: int = 1 << 20
-    """Bytes read, sent, received and hashed at a time: the memory one transfer holds."""
+    """Bytes received and hashed, or read in a fetch, at a time: the memory one transfer holds
+    (a push goes out with sendfile(2), no buffer of its own)."""
     replication_timeout: float = 60.0
     """Seconds a peer may stay silent during one replication request before it fails."""
     replication_poll_interval: float = 0.02
