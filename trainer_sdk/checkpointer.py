@@ -106,6 +106,7 @@ class Checkpointer:
         every_seconds: float | None = None,
         keep_last: int | None = None,
         async_save: bool = False,
+        stage_in_background: bool = False,
         control_dir: str | None = None,
         handle_sigterm: bool = True,
         notice_every: int = 1,
@@ -132,6 +133,7 @@ class Checkpointer:
             every_seconds=every_seconds,
             keep_last=keep_last,
             async_save=async_save,
+            stage_in_background=stage_in_background,
             control_dir=control_dir,
             handle_sigterm=handle_sigterm,
             notice_every=notice_every,
@@ -218,6 +220,12 @@ class Checkpointer:
             reuse=reuse, estimator=self._estimator, reporter=self._reporter,
         )  # fmt: skip
         self._engine = SaveEngine(parts, saver=self._saver)
+        staged_later = self.config.async_save or self._fast is not None
+        self._unguard = (
+            self._engine.guard_optimizer()
+            if self.config.stage_in_background and staged_later
+            else None
+        )
         self._restorer = Restorer(parts, engine=self._engine)
         self._agreement = NoticeAgreement(
             rank=self.rank, group=self._group, config=self.config, board=self._board,
@@ -357,6 +365,8 @@ class Checkpointer:
                 self._fast.close()
             if self._sigterm is not None:
                 self._sigterm.uninstall()
+            if self._unguard is not None:
+                self._unguard()
             # Last: nothing of this Checkpointer runs a collective after this.
             group, self._group = self._group, None
             release_group(group)

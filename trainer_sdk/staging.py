@@ -6,6 +6,14 @@ when the source is on a GPU, so the device-to-host copies run as DMA on a side s
 Once the copy is done the caller may change its tensors freely; the background thread writes,
 hashes and commits from the buffers.
 
+The copy itself can leave the training thread too (``stage_in_background``): the call returns
+at once, a staging thread copies while the next forward and backward run, and the optimizer's
+step waits for the copy (a step pre-hook, :meth:`AsyncSaver.wait_staged`). Only tensors that
+the optimizer's step alone changes (its parameters and its state) are copied that way; buffers
+that a forward changes (BatchNorm's running statistics, DDP's buffer broadcast) are copied in
+the call. Version counters catch an in-place change that beats the copy: the save fails
+instead of committing bytes of two steps.
+
 Invariants, and why:
 
 * **At most one save in flight.** A new save first waits for the previous one (its buffers are
@@ -34,8 +42,9 @@ Invariants, and why:
   ``Checkpointer`` raises it at the next ``step()`` or ``close()``, and
   :meth:`AsyncSaveHandle.wait` raises it to direct callers.
 
-Who calls what: the ``Checkpointer`` (or :func:`async_save`) calls :meth:`AsyncSaver.save` on
-every rank at the same step; it returns after staging. The worker thread then calls
+Who calls what: the ``Checkpointer`` (or :func:`async_save`) calls :meth:`AsyncSaver.submit` on
+every rank at the same step; it returns after staging (or, for deferred tensors, after
+starting their copy). The worker thread then calls
 ``trainer_sdk.api.write_rank`` and ``trainer_sdk.api.commit`` (rank 0 writes the manifest last).
 """
 
@@ -48,8 +57,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final, Generic, TypeVar
@@ -93,10 +103,19 @@ class HostBuffers:
 
         When this returns, every copy has completed: the sources may be modified at once.
         """
+        pairs = self.reserve(tensors)
+        self.copy(list(pairs.values()))
+        return {name: dst for name, (dst, _) in pairs.items()}
+
+    def reserve(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The buffer of each of ``tensors`` (allocated if new or reshaped), nothing copied:
+        ``{name: (buffer, source)}``, for :meth:`copy`, now or on another thread."""
         # Buffers of names that left the state would pin memory for nothing.
         for gone in set(self._bufs) - set(tensors):
             del self._bufs[gone]
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, src in tensors.items():
             if not isinstance(src, torch.Tensor):
                 raise CheckpointError(
@@ -110,11 +129,27 @@ class HostBuffers:
                 )
                 self._bufs[name] = buf
                 self.allocations += 1
-            pairs.append((buf, src))
-        self._copy(pairs)
-        return {name: self._bufs[name] for name in tensors}
+            pairs[name] = (buf, src)
+        return pairs
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        after: Mapping[torch.device, Any] | None = None,
+    ) -> None:
+        """Copy each ``(buffer, source)`` pair; return when every copy is complete.
+
+        A device copy waits for the kernels queued on the device's current stream, or, from
+        another thread than the one that queued them, for the event in ``after`` that the
+        queuing thread recorded (:func:`mark_streams`)."""
+        self._copy(pairs, after or {})
+
+    def _copy(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        after: Mapping[torch.device, Any],
+    ) -> None:
         events = []
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         host: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -130,7 +165,11 @@ class HostBuffers:
                 self._streams[device] = stream
             # The side stream must see every kernel already queued on the training stream
             # that writes these tensors; then the copies run as DMA into pinned memory.
-            stream.wait_stream(torch.cuda.current_stream(device))
+            mark = after.get(device)
+            if mark is not None:
+                stream.wait_event(mark)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for dst, src in group:
                     dst.copy_(src, non_blocking=True)
@@ -172,6 +211,51 @@ def _can_pin(src: torch.Tensor) -> bool:
     return src.device.type == "cuda" and torch.cuda.is_available()
 
 
+def mark_streams(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
+    """An event recorded on the calling thread's current stream of each GPU that holds one of
+    ``tensors``: a copy on another thread waits for it, so it sees every kernel that this
+    thread queued before (the current stream is per thread where the training loop uses its
+    own streams)."""
+    marks: dict[torch.device, Any] = {}
+    for t in tensors:
+        if t.device.type == "cuda" and t.device not in marks:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(t.device))
+            marks[t.device] = event
+    return marks
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The autograd version counter of ``t``: every in-place operation on it (or on a view of
+    it) adds one. None for tensors that keep none (created under inference mode)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def _check_untouched(
+    names: list[str], sources: list[torch.Tensor], before: list[int | None]
+) -> None:
+    """Raise if a source of a background copy was changed in place while it was copied: the
+    staged bytes may then mix two steps, and such a save must never commit."""
+    changed = [
+        n
+        for n, t, v in zip(names, sources, before, strict=True)
+        if v is not None and _version(t) != v
+    ]
+    if changed:
+        shown = ", ".join(repr(n) for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
+        raise CheckpointError(
+            f"{len(changed)} tensor(s) ({shown}) changed in place while this save copied them in "
+            "the background, so the save is abandoned (the previous checkpoint stands). Wait "
+            "for the copy before changing them: call handle.wait_staged() (or "
+            "AsyncSaver.wait_staged()) before the optimizer step; the Checkpointer does it "
+            "itself with stage_in_background=True, in a hook on the optimizer's step. Only "
+            "tensors that the optimizer's step alone changes may be staged in the background"
+        )
+
+
 @dataclass(kw_only=True)
 class AsyncSaveHandle(Generic[T]):
     """A save running in the background. Returned by :func:`async_save` and
@@ -184,6 +268,19 @@ class AsyncSaveHandle(Generic[T]):
     stage_seconds: float
     """How long staging blocked the caller."""
     _future: Future[T] = field(repr=False)
+    _staged: Future[None] | None = field(default=None, repr=False)
+    """The background part of the staging copy; None: all of it was done in the call."""
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the staging copy is complete: from then on the save reads only its
+        own buffers, and the saved tensors may change. At once for a save staged wholly in
+        the call. Does not raise the save's errors (``wait`` does); raises ``TimeoutError``
+        if ``timeout`` seconds pass first."""
+        if self._staged is None:
+            return
+        done, _ = wait_futures([self._staged], timeout)
+        if not done:
+            raise TimeoutError(f"the staging copy of step {self.step} is still running")
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -227,6 +324,9 @@ class AsyncSaver:
         self._normal = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="baton-commit", initializer=self._mark_normal
         )
+        # The deferred part of a staging copy (submit's ``defer``): normal priority, since the
+        # training loop waits for it before its next optimizer step.
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-stage")
         self._lock = threading.Lock()
         self._inflight: AsyncSaveHandle[Any] | None = None
         self._closed = False
@@ -243,25 +343,67 @@ class AsyncSaver:
         tensors: Mapping[str, torch.Tensor],
         json_tree: Any,
         work: Callable[[dict[str, torch.Tensor], Any], T],
+        defer: Collection[str] = (),
     ) -> AsyncSaveHandle[T]:
         """Stage ``tensors`` (and a deep copy of ``json_tree``), then run ``work`` on them in the
-        background. Waits for the previous save first and raises its error, if any."""
+        background. Waits for the previous save first and raises its error, if any.
+
+        The tensors named in ``defer`` are copied on a staging thread after this returns, not
+        in the call: until :meth:`AsyncSaveHandle.wait_staged` (or :meth:`wait_staged`)
+        returns, the caller must not change them. A change that completes before their copy
+        does is caught by their version counters, and the save fails instead of committing
+        bytes of two steps (changes through ``.data`` bypass the counters: the caller's
+        contract is what keeps those out)."""
         if self._closed:
             raise CheckpointError("this saver is closed: create a new one to save again")
         self.wait_previous()
         start = time.perf_counter()
-        staged = self.buffers.stage(tensors)
+        pairs = self.buffers.reserve(tensors)
+        later = [name for name in pairs if name in defer]
+        self.buffers.copy([pair for name, pair in pairs.items() if name not in defer])
+        staged_future: Future[None] | None = None
+        if later:
+            sources = [pairs[name][1] for name in later]
+            versions = [_version(t) for t in sources]
+            marks = mark_streams(sources)
+            copies = [pairs[name] for name in later]
+
+            def copy_later() -> None:
+                self.buffers.copy(copies, after=marks)
+                _check_untouched(later, sources, versions)
+
+            staged_future = self._stager.submit(copy_later)
+            log.debug(
+                "step %d: %d of %d tensors copied beside the caller's next steps", step,
+                len(later), len(pairs),
+            )  # fmt: skip
+        staged = {name: dst for name, (dst, _) in pairs.items()}
         tree = copy.deepcopy(json_tree)
         stage_s = time.perf_counter() - start
         nbytes = sum(t.numel() * t.element_size() for t in staged.values())
         pool = self._normal if nbytes <= self.normal_priority_below else self._pool
-        future = pool.submit(work, staged, tree)
+
+        def run() -> T:
+            if staged_future is not None:
+                staged_future.result()  # a failed or torn copy fails the save
+            return work(staged, tree)
+
         handle: AsyncSaveHandle[T] = AsyncSaveHandle(
-            step=step, staged_bytes=nbytes, stage_seconds=stage_s, _future=future
-        )
+            step=step, staged_bytes=nbytes, stage_seconds=stage_s, _future=pool.submit(run),
+            _staged=staged_future,
+        )  # fmt: skip
         with self._lock:
             self._inflight = handle
         return handle
+
+    def wait_staged(self) -> None:
+        """Wait until the save in flight, if any, has finished copying the tensors it
+        deferred (:meth:`submit`); then they may change. Safe from any thread, and what an
+        optimizer's step pre-hook calls."""
+        with self._lock:
+            handle = self._inflight
+        if handle is not None:
+            handle.wait_staged()
 
     def at_normal_priority(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on this saver's normal-priority thread and return its result (at once
@@ -290,6 +432,7 @@ class AsyncSaver:
             self.wait_previous()
         finally:
             self._closed = True
+            self._stager.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._normal.shutdown(wait=True)
             group, self.group = self.group, None
@@ -309,13 +452,15 @@ def stage_and_commit(
     extra: Mapping[str, Any] | None = None,
     references: api.References | None = None,
     on_manifest: Callable[[api.Manifest], None] | None = None,
+    defer: Callable[[Mapping[str, torch.Tensor]], Collection[str]] | None = None,
 ) -> AsyncSaveHandle[api.SaveInfo]:
     """Stage the tensors ``plan`` writes, then write and commit them in the background.
 
     Every rank of the saver's group calls it at the same step. ``on_commit(info, rank_bytes)``
     runs on the worker thread after the manifest is written (retention, status).
     ``attempt``, ``extra``, ``references`` and ``on_manifest`` go to
-    :func:`~trainer_sdk.saveload._saving.write_and_commit`.
+    :func:`~trainer_sdk.saveload._saving.write_and_commit`. ``defer(tensors)`` names those of
+    the tensors to stage whose copy may finish after this returns (:meth:`AsyncSaver.submit`).
     """
     t0 = time.perf_counter()
     live = flat.tensors()
@@ -334,7 +479,10 @@ def stage_and_commit(
             on_commit(info, plan.nbytes)
         return info
 
-    return saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
+    return saver.submit(
+        step=step, tensors=to_stage, json_tree=flat.tree, work=work,
+        defer=defer(to_stage) if defer is not None else (),
+    )  # fmt: skip
 
 
 class _ProcessSaver:
@@ -378,6 +526,7 @@ def async_save(
     step: int,
     trigger: str = Trigger.MANUAL,
     timeout: float = 600.0,
+    stage_in_background: bool = False,
 ) -> AsyncSaveHandle[api.SaveInfo]:
     """Save ``state`` as ``step`` under ``uri`` in the background; returns once staged.
 
@@ -386,6 +535,12 @@ def async_save(
     each waits for the previous save first (raising its error, if it failed). After it
     returns, the tensors in ``state`` may be modified: the save writes the staged copy. Call
     ``.wait()`` on the handle (or on the last one before exiting) to learn the outcome.
+
+    ``stage_in_background=True``: the call returns before the copy, which runs on a staging
+    thread while training goes on; the tensors in ``state`` must not change until
+    ``handle.wait_staged()`` returns (put it before the optimizer step, as
+    ``torch-checkpointing`` asks for its lock). A tensor changed in place before its copy is
+    done fails the save (never a torn commit).
     """
     saver = _PROCESS_SAVER.get(timeout=timedelta(seconds=timeout))
     saver.wait_previous()
@@ -397,4 +552,7 @@ def async_save(
     storage = open_storage(uri)
     flat = api.flatten(state)
     plan = api.plan_save(flat, rank, world)
-    return stage_and_commit(saver, flat, plan, storage, step=step, trigger=trigger)
+    return stage_and_commit(
+        saver, flat, plan, storage, step=step, trigger=trigger,
+        defer=(lambda tensors: tensors.keys()) if stage_in_background else None,
+    )  # fmt: skip

@@ -89,6 +89,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--async-save", action="store_true", help="periodic saves in the background")
     p.add_argument(
+        "--stage-in-background",
+        action="store_true",
+        help="Checkpointer(stage_in_background=True): with --async-save, the staging copy too",
+    )
+    p.add_argument(
         "--control-dir",
         default=None,
         help="control directory; '{rank}' is replaced by the rank (one 'pod' per rank), "
@@ -331,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         every_seconds=args.every_seconds,
         keep_last=args.keep_last,
         async_save=args.async_save,
+        stage_in_background=args.stage_in_background,
         control_dir=_per_pod(args.control_dir, rank),
         **(
             {"fast_dir": _per_pod(args.fast_dir, rank), "fast_every_steps": args.fast_every_steps}

@@ -71,3 +71,12 @@ def test_a_bad_value_names_the_variable_or_the_setting() -> None:
         CheckpointerConfig.from_env({"BATON_KEEP_LAST": "0"})  # refused, not replaced by 3
     with pytest.raises(TypeError, match=r"no setting \['every_step'\]"):
         CheckpointerConfig.from_env({}, every_step=5)
+
+
+def test_stage_in_background_is_1_or_0_in_the_environment_and_an_argument_wins() -> None:
+    assert CheckpointerConfig.from_env({"BATON_STAGE_IN_BACKGROUND": "1"}).stage_in_background
+    assert not CheckpointerConfig.from_env({"BATON_STAGE_IN_BACKGROUND": "0"}).stage_in_background
+    on = {"BATON_STAGE_IN_BACKGROUND": "1"}
+    assert not CheckpointerConfig.from_env(on, stage_in_background=False).stage_in_background
+    with pytest.raises(CheckpointError, match=r"BATON_STAGE_IN_BACKGROUND=2: set it to 1 \(on\)"):
+        CheckpointerConfig.from_env({"BATON_STAGE_IN_BACKGROUND": "2"})

@@ -479,12 +479,17 @@ def _newest_snapshot(fast: Path) -> int | None:
 
 
 @pytest.mark.e2e  # real trainer processes, 3 ranks, a reference run
+@pytest.mark.parametrize("in_background", [False, True], ids=["copy-in-step", "copy-beside"])
 def test_all_ranks_killed_resume_from_the_memory_snapshot_bitwise(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, in_background: bool
 ) -> None:
+    # copy-beside: each snapshot's copy of the parameters and AdamW state runs beside the next
+    # forward and backward (BATON_STAGE_IN_BACKGROUND), the optimizer's step waiting for it.
     ref = exactness.reference(tmp_path_factory.mktemp("reference-ddp-3"), world=3)
     fast = tmp_path / "fast"
     env = {"BATON_FAST_EVERY_STEPS": "1", "BATON_FAST_DIR": str(fast)}
+    if in_background:
+        env["BATON_STAGE_IN_BACKGROUND"] = "1"
     args = exactness.args(tmp_path, "--every-steps", "10", "--sleep", "0.1")
     run = trainer.launch(3, args, workdir=tmp_path / "out", env=env, procs_per_pod=3)
     try:

@@ -50,6 +50,7 @@ ENV_VARS: Final[dict[str, tuple[str, type[Any]]]] = {
     "BATON_FAST_EVERY_STEPS": ("fast_every_steps", int),
     "BATON_FAST_DIR": ("fast_dir", str),
     "BATON_FULL_EVERY_STEPS": ("full_every_steps", int),
+    "BATON_STAGE_IN_BACKGROUND": ("stage_in_background", int),
 }
 """Environment overrides of :class:`CheckpointerConfig` fields: variable -> (field, type)."""
 
@@ -70,6 +71,16 @@ class CheckpointerConfig:
     """Complete checkpoints to keep (>= 1). Older ones are deleted after a newer commit."""
     async_save: bool = False
     """Periodic saves stage on the caller's thread and write in the background."""
+    stage_in_background: bool = False
+    """For background saves (``async_save``) and memory-tier snapshots: the copy of what only
+    the optimizer's step changes (its parameters and state) runs on a staging thread while
+    the next forward and backward run, and the optimizer's step waits for it (a step
+    pre-hook), so such a save costs the training thread almost nothing.
+    ``$BATON_STAGE_IN_BACKGROUND``: 1 or 0. Off by default: a loop that changes parameters in
+    place outside ``optimizer.step()`` (weight clipping after the step, an in-place re-init)
+    between ``step()`` and the next optimizer step would race the copy (version counters
+    catch an in-place change and fail that save; a change through ``.data`` they cannot
+    see)."""
     control_dir: str | None = None
     """The sidecar's control directory; ``None``: no control channel."""
     handle_sigterm: bool = True
@@ -133,6 +144,13 @@ class CheckpointerConfig:
             if value is None or (name in ("uri", "control_dir", "fast_dir") and not value):
                 continue
             kwargs[name] = value
+        staged = kwargs.get("stage_in_background")
+        if staged is not None and not isinstance(staged, bool):  # from the environment
+            if staged not in (0, 1):
+                raise CheckpointError(
+                    f"$BATON_STAGE_IN_BACKGROUND={staged}: set it to 1 (on) or 0 (off)"
+                )
+            kwargs["stage_in_background"] = bool(staged)
         timeout = kwargs.get("timeout")
         if timeout is not None and not isinstance(timeout, timedelta):
             kwargs["timeout"] = timedelta(seconds=timeout)

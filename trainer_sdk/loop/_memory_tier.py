@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -196,8 +196,10 @@ class MemoryTier:
         *,
         attempt: int | None,
         extra: Mapping[str, Any] | None = None,
+        defer: Callable[[Mapping[str, torch.Tensor]], Collection[str]] | None = None,
     ) -> AsyncSaveHandle[int]:
-        """Stage ``step`` and write it in the background; returns after the copy.
+        """Stage ``step`` and write it in the background; returns after the copy (of all but
+        the tensors ``defer`` names: :meth:`~trainer_sdk.staging.AsyncSaver.submit`).
 
         Waits for the previous snapshot first: if it failed, raises :class:`CheckpointError`
         (on every rank: its collectives told every rank)."""
@@ -222,7 +224,10 @@ class MemoryTier:
                 self.estimator.record(plan.nbytes, time.perf_counter() - started)
             return step
 
-        return self.saver.submit(step=step, tensors=to_stage, json_tree=flat.tree, work=work)
+        return self.saver.submit(
+            step=step, tensors=to_stage, json_tree=flat.tree, work=work,
+            defer=defer(to_stage) if defer is not None else (),
+        )  # fmt: skip
 
     def _write(
         self,

@@ -108,11 +108,24 @@ def frozen_storages(model: torch.nn.Module | None) -> set[int]:
         return set()
     tensors: list[torch.Tensor] = [p for p in model.parameters() if not p.requires_grad]
     tensors += list(model.buffers())
-    trained = {_ptr(p) for p in model.parameters() if p.requires_grad}
-    return {_ptr(t) for t in tensors} - trained
+    trained = {storage_ptr(p) for p in model.parameters() if p.requires_grad}
+    return {storage_ptr(t) for t in tensors} - trained
 
 
-def _ptr(t: torch.Tensor) -> int:
+def optimizer_storages(optimizer: torch.optim.Optimizer | None) -> set[int]:
+    """Data pointers of the storages that only ``optimizer.step()`` changes: its parameters'
+    and its state's (``exp_avg``, ...). What a save may copy in the background while the next
+    forward and backward run, if the step waits for the copy (``stage_in_background``)."""
+    if optimizer is None:
+        return set()
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return {storage_ptr(t) for t in tensors} - {0}
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """The data pointer of the storage of ``t`` (of its local shard, for a DTensor)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return int(local.untyped_storage().data_ptr())
 

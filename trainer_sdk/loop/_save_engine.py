@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from trainer_sdk import api
 from trainer_sdk.errors import BatonError, CheckpointError
@@ -35,7 +38,7 @@ from trainer_sdk.format.planning import PlanCache
 from trainer_sdk.loop._config import CheckpointerConfig, env_number
 from trainer_sdk.loop._deadline import SaveEstimator, probe_write
 from trainer_sdk.loop._memory_tier import MemoryTier
-from trainer_sdk.loop._reuse import Reuse, frozen_storages
+from trainer_sdk.loop._reuse import Reuse, frozen_storages, optimizer_storages, storage_ptr
 from trainer_sdk.loop._status import StatusReporter
 from trainer_sdk.loop._training_state import TrainingState
 from trainer_sdk.saveload._collectives import broadcast_json
@@ -159,6 +162,7 @@ class SaveEngine:
                 extra=extra,
                 references=refs,
                 on_manifest=on_manifest,
+                defer=self._stepped_by_optimizer if self.parts.config.stage_in_background else None,
             )
             self.resume_note = None
             log.debug("step %d staged in %.3fs", step, handle.stage_seconds)
@@ -175,6 +179,38 @@ class SaveEngine:
         self.resume_note = None
         self._after_commit(info, plan.nbytes)
         return info
+
+    def _stepped_by_optimizer(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """The tensors whose copy may run after the save call returns (``stage_in_background``):
+        those only the optimizer's step changes, which waits for the copy
+        (:meth:`guard_optimizer`). The rest (buffers, the scaler, extra state) copy at once."""
+        stepped = optimizer_storages(self.parts.objects.optimizer)
+        return {name for name, t in tensors.items() if storage_ptr(t) in stepped}
+
+    def guard_optimizer(self) -> Callable[[], None]:
+        """Make the optimizer's step wait for the background staging copies of a durable save
+        and a memory-tier snapshot (``stage_in_background``); returns what removes the hook.
+        The hook holds the savers weakly: an optimizer that outlives its Checkpointer must not
+        keep their process groups alive until interpreter exit."""
+        optimizer = self.parts.objects.optimizer
+        savers = [s for s in (self._saver, self.parts.fast and self.parts.fast.saver) if s]
+        if optimizer is None or not savers:
+            return lambda: None
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise CheckpointError(
+                f"stage_in_background needs a torch.optim.Optimizer (one with "
+                f"register_step_pre_hook), got {type(optimizer).__name__}: pass the optimizer "
+                "it wraps, or leave stage_in_background off"
+            )
+        refs = [weakref.ref(s) for s in savers]
+
+        def wait_for_copy(*_: Any) -> None:
+            for ref in refs:
+                live = ref()
+                if live is not None:
+                    live.wait_staged()
+
+        return optimizer.register_step_pre_hook(wait_for_copy).remove
 
     def save_prepared(
         self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
@@ -269,7 +305,10 @@ class SaveEngine:
         assert self.parts.fast is not None
         self.register_attempt()
         flat = prepared[0] if prepared else api.flatten(self.parts.objects.for_save(step))
-        handle = self.parts.fast.snapshot(step, flat, self._whole(flat), attempt=self.attempt)
+        handle = self.parts.fast.snapshot(
+            step, flat, self._whole(flat), attempt=self.attempt,
+            defer=self._stepped_by_optimizer if self.parts.config.stage_in_background else None,
+        )  # fmt: skip
         log.debug("memory snapshot of step %d staged in %.3fs", step, handle.stage_seconds)
 
     def commit_memory(self, step: int, prepared: tuple[api.FlatState, api.SavePlan]) -> bool:
