@@ -9,6 +9,8 @@ It checks, with real CUDA tensors:
 1. save/load round trip of a CUDA model + AdamW state, bitwise;
 2. async staging: host buffers are pinned, allocated once and reused, copied on a side
    stream; mutating the CUDA tensors right after staging does not change the saved values;
+   with ``stage_in_background`` the copy on the staging thread waits for a write still
+   queued on the caller's own side stream;
 3. RNG: every CUDA device's generator is captured and restored (the next draws repeat);
 4. exact resume: a model with dropout trained N steps equals one trained N/2 steps, saved,
    rebuilt from scratch and restored, then trained N/2 more (deterministic algorithms on);
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +128,32 @@ def check_async(root: Path) -> str:
     trainer_sdk.load(loaded, str(root / "async"), step=1)
     assert torch.equal(loaded["w"].cpu(), expected), "async save wrote mutated values"
     return "async save holds the staged values"
+
+
+def check_async_background(root: Path) -> str:
+    """``stage_in_background``: the save is called on a side stream of the caller's with a
+    write to the tensor still queued on it; the staging thread's copy must wait for that
+    write (the event ``mark_streams`` records), not for its own thread's current stream."""
+    w = torch.randn(4096, 1024, device=DEVICE)
+    side = torch.cuda.Stream() if DEVICE == "cuda" else None  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # w's randn
+        a = torch.randn(4096, 4096, device=DEVICE)
+        for _ in range(8):  # a long write, still queued when the save is called
+            a = a @ a / 64.0
+        w.copy_(a[:, :1024])
+        handle = trainer_sdk.async_save(
+            {"w": w}, str(root / "async-bg"), step=1, stage_in_background=True
+        )
+        handle.wait_staged()
+        expected = w.cpu().clone()  # the value at the call: the queued write included
+        w.zero_()  # after wait_staged: must not reach the checkpoint
+    handle.wait()
+    loaded = {"w": torch.empty(4096, 1024, device=DEVICE)}
+    trainer_sdk.load(loaded, str(root / "async-bg"), step=1)
+    assert torch.equal(loaded["w"].cpu(), expected), "the background copy missed a queued write"
+    return "the copy on the staging thread saw the side stream's queued write"
 
 
 def check_rng() -> str:
@@ -267,6 +296,7 @@ def main() -> int:
         check("roundtrip", lambda: check_roundtrip(root))
         check("staging", check_staging)
         check("async_save", lambda: check_async(root))
+        check("async_save_background", lambda: check_async_background(root))
         check("rng", check_rng)
         check("exact_resume", lambda: check_exact_resume(root))
         check("bench", lambda: bench(root, args.gib))
