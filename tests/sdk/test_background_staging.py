@@ -23,7 +23,7 @@ from trainer_sdk.errors import CheckpointError
 from trainer_sdk.staging import AsyncSaver
 
 
-def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model(seed: int = 0) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     # BatchNorm: its running statistics change in every training forward, outside the
     # optimizer's step, so they must be copied in the save call.
@@ -52,9 +52,11 @@ def _hold(saver: AsyncSaver) -> threading.Event:
     return gate
 
 
-def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
+def _one_step_trained(
     tmp_path: Path,
-) -> None:
+) -> tuple[nn.Sequential, torch.optim.Optimizer, Checkpointer, AsyncSaver]:
+    """A model, its optimizer after one step, and a Checkpointer that saves every step with
+    the copy beside the next steps; and its saver."""
     model, opt = _model()
     ck = Checkpointer(
         str(tmp_path), model=model, optimizer=opt, every_steps=1, async_save=True,
@@ -63,8 +65,15 @@ def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
     assert ck._saver is not None
     _forward_backward(model, opt)
     opt.step()
+    return model, opt, ck, ck._saver
+
+
+def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
+    tmp_path: Path,
+) -> None:
+    model, opt, ck, saver = _one_step_trained(tmp_path)
     expected = _state(model, opt)
-    gate = _hold(ck._saver)
+    gate = _hold(saver)
     ck.step(1)  # returns with the parameters' copy not started
     handle = ck.last_save
     assert handle is not None
@@ -74,7 +83,12 @@ def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
     # BatchNorm statistics, which the save call copied already.
     _forward_backward(model, opt)
     stepped = threading.Event()
-    stepper = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+
+    def optimizer_step() -> None:
+        opt.step()
+        stepped.set()
+
+    stepper = threading.Thread(target=optimizer_step)
     stepper.start()
     assert not stepped.wait(0.5), "the optimizer's step ran before the save's copy was done"
     gate.set()
@@ -98,24 +112,19 @@ def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
 def test_a_parameter_changed_before_its_copy_fails_that_save_and_keeps_the_last_one(
     tmp_path: Path,
 ) -> None:
-    model, opt = _model()
-    ck = Checkpointer(
-        str(tmp_path), model=model, optimizer=opt, every_steps=1, async_save=True,
-        stage_in_background=True,
-    )  # fmt: skip
-    assert ck._saver is not None
-    _forward_backward(model, opt)
-    opt.step()
+    model, opt, ck, saver = _one_step_trained(tmp_path)
     ck.step(1)
     ck.wait()
     assert trainer_sdk.latest_step(str(tmp_path)) == 1
 
     _forward_backward(model, opt)
     opt.step()
-    gate = _hold(ck._saver)
+    gate = _hold(saver)
     ck.step(2)
     with torch.no_grad():  # outside the optimizer's step: the contract says wait first
-        model[0].weight.mul_(0.5)
+        first = model[0]
+        assert isinstance(first, nn.Linear)
+        first.weight.mul_(0.5)
     gate.set()
     _forward_backward(model, opt)
     opt.step()
