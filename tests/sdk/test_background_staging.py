@@ -10,6 +10,7 @@ the copy is done" is a state the test is in, not a race it hopes to win.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,31 @@ def _hold(saver: AsyncSaver) -> threading.Event:
     return gate
 
 
+def _assert_step_waits_for(gate: threading.Event, opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` on another thread stays blocked while ``gate`` holds the staging thread,
+    and returns once it is opened."""
+    stepped = threading.Event()
+
+    def optimizer_step() -> None:
+        opt.step()
+        stepped.set()
+
+    stepper = threading.Thread(target=optimizer_step)
+    stepper.start()
+    assert not stepped.wait(0.5), "the optimizer's step ran before the save's copy was done"
+    gate.set()
+    assert stepped.wait(30)
+    stepper.join()
+
+
 def _one_step_trained(
     tmp_path: Path,
+    wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] = lambda opt: opt,
 ) -> tuple[nn.Sequential, torch.optim.Optimizer, Checkpointer, AsyncSaver]:
-    """A model, its optimizer after one step, and a Checkpointer that saves every step with
-    the copy beside the next steps; and its saver."""
-    model, opt = _model()
+    """A model, its optimizer (``wrap``-ped) after one step, and a Checkpointer that saves
+    every step with the copy beside the next steps; and its saver."""
+    model, plain = _model()
+    opt = wrap(plain)
     ck = Checkpointer(
         str(tmp_path), model=model, optimizer=opt, every_steps=1, async_save=True,
         stage_in_background=True,
@@ -82,18 +102,7 @@ def test_the_optimizer_step_waits_for_the_copy_and_the_save_is_that_step(
     # The next step's forward and backward run beside the copy; the forward changes the
     # BatchNorm statistics, which the save call copied already.
     _forward_backward(model, opt)
-    stepped = threading.Event()
-
-    def optimizer_step() -> None:
-        opt.step()
-        stepped.set()
-
-    stepper = threading.Thread(target=optimizer_step)
-    stepper.start()
-    assert not stepped.wait(0.5), "the optimizer's step ran before the save's copy was done"
-    gate.set()
-    assert stepped.wait(30)
-    stepper.join()
+    _assert_step_waits_for(gate, opt)
     handle.wait()
     ck.close()
     assert not opt._optimizer_step_pre_hooks  # close() removed the hook
@@ -179,3 +188,32 @@ def test_a_deferred_copy_that_a_change_beats_is_never_handed_to_the_writer() -> 
     handle.wait()
     assert ran == [1000.0 + 50.0]
     saver.close()
+
+
+def test_an_accelerate_wrapped_optimizer_waits_too(tmp_path: Path) -> None:
+    # accelerate's AcceleratedOptimizer never calls Optimizer.__init__, so its own step() runs
+    # no step hooks: the hook must go on the optimizer it wraps, which its step() calls.
+    from accelerate import Accelerator
+
+    model, wrapped, ck, saver = _one_step_trained(
+        tmp_path, wrap=Accelerator(cpu=True).prepare_optimizer
+    )
+    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    gate = _hold(saver)
+    ck.step(1)
+    _forward_backward(model, wrapped)
+    _assert_step_waits_for(gate, wrapped)
+    ck.close()
+
+
+def test_an_optimizer_that_runs_no_step_hooks_is_refused_with_the_fix(tmp_path: Path) -> None:
+    class Stepper:  # steps the parameters itself: no torch optimizer anywhere inside
+        def __init__(self, params: list[nn.Parameter]) -> None:
+            self.param_groups = [{"params": params}]
+            self.state: dict[Any, Any] = {}
+
+    from trainer_sdk.loop._save_engine import hooked_optimizer
+
+    model, _ = _model()
+    with pytest.raises(CheckpointError, match=r"pass the torch\.optim\.Optimizer it wraps"):
+        hooked_optimizer(Stepper(list(model.parameters())))

@@ -46,7 +46,7 @@ from trainer_sdk.staging import AsyncSaver, stage_and_commit
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import ROUTINE_TRIGGERS, State, Tier
 
-__all__ = ["RankParts", "SaveEngine"]
+__all__ = ["RankParts", "SaveEngine", "hooked_optimizer"]
 
 log = logging.getLogger("trainer_sdk.checkpointer")
 
@@ -69,6 +69,32 @@ class RankParts:
     reuse: Reuse
     estimator: SaveEstimator
     reporter: StatusReporter
+
+
+def hooked_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step()`` runs step pre-hooks: ``optimizer`` itself, or the
+    one a wrapper holds (accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's
+    ``LightningOptimizer._optimizer``). A wrapper's own ``step()`` does not run the hooks
+    registered on it when it never called ``Optimizer.__init__`` (accelerate's does not), so
+    the hook goes on the optimizer that really steps."""
+    seen = optimizer
+    for _ in range(4):  # wrappers of wrappers, not a cycle
+        if (
+            isinstance(seen, torch.optim.Optimizer)
+            and "_optimizer_step_pre_hooks" in vars(seen)
+            and getattr(type(seen).step, "hooked", False)
+        ):
+            return seen
+        inner = getattr(seen, "optimizer", None) or getattr(seen, "_optimizer", None)
+        if inner is None or inner is seen:
+            break
+        seen = inner
+    raise CheckpointError(
+        f"stage_in_background needs an optimizer whose step() runs torch's step pre-hooks; "
+        f"{type(optimizer).__name__} does not, and holds none that does (as .optimizer or "
+        "._optimizer): pass the torch.optim.Optimizer it wraps, or leave stage_in_background "
+        "off"
+    )
 
 
 class SaveEngine:
@@ -184,7 +210,8 @@ class SaveEngine:
         """The tensors whose copy may run after the save call returns (``stage_in_background``):
         those only the optimizer's step changes, which waits for the copy
         (:meth:`guard_optimizer`). The rest (buffers, the scaler, extra state) copy at once."""
-        stepped = optimizer_storages(self.parts.objects.optimizer)
+        optimizer = self.parts.objects.optimizer
+        stepped = optimizer_storages(hooked_optimizer(optimizer) if optimizer else None)
         return {name for name, t in tensors.items() if storage_ptr(t) in stepped}
 
     def guard_optimizer(self) -> Callable[[], None]:
@@ -196,12 +223,6 @@ class SaveEngine:
         savers = [s for s in (self._saver, self.parts.fast and self.parts.fast.saver) if s]
         if optimizer is None or not savers:
             return lambda: None
-        if not hasattr(optimizer, "register_step_pre_hook"):
-            raise CheckpointError(
-                f"stage_in_background needs a torch.optim.Optimizer (one with "
-                f"register_step_pre_hook), got {type(optimizer).__name__}: pass the optimizer "
-                "it wraps, or leave stage_in_background off"
-            )
         refs = [weakref.ref(s) for s in savers]
 
         def wait_for_copy(*_: Any) -> None:
@@ -210,7 +231,7 @@ class SaveEngine:
                 if live is not None:
                     live.wait_staged()
 
-        return optimizer.register_step_pre_hook(wait_for_copy).remove
+        return hooked_optimizer(optimizer).register_step_pre_hook(wait_for_copy).remove
 
     def save_prepared(
         self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
