@@ -110,6 +110,9 @@ class SaveEngine:
         self._saver = saver
         self._plans = PlanCache()  # the same tensors at every save: planned once
         self._whole_bytes = 0  # this rank's bytes of the whole state, at the last prepare
+        self._hooked: torch.optim.Optimizer | None = None
+        """The optimizer whose step waits for a background copy (:meth:`guard_optimizer`); its
+        storages are what ``stage_in_background`` copies beside the next steps."""
         self.clock: Callable[[], float] = time.monotonic
         """The clock of the every_seconds policy (only rank 0's reading counts); replaceable
         so that tests can drive time."""
@@ -210,8 +213,7 @@ class SaveEngine:
         """The tensors whose copy may run after the save call returns (``stage_in_background``):
         those only the optimizer's step changes, which waits for the copy
         (:meth:`guard_optimizer`). The rest (buffers, the scaler, extra state) copy at once."""
-        optimizer = self.parts.objects.optimizer
-        stepped = optimizer_storages(hooked_optimizer(optimizer) if optimizer else None)
+        stepped = optimizer_storages(self._hooked)
         return {name for name, t in tensors.items() if storage_ptr(t) in stepped}
 
     def guard_optimizer(self) -> Callable[[], None]:
@@ -231,7 +233,8 @@ class SaveEngine:
                 if live is not None:
                     live.wait_staged()
 
-        return hooked_optimizer(optimizer).register_step_pre_hook(wait_for_copy).remove
+        self._hooked = hooked_optimizer(optimizer)
+        return self._hooked.register_step_pre_hook(wait_for_copy).remove
 
     def save_prepared(
         self, step: int, trigger: str, prepared: tuple[api.FlatState, api.SavePlan]
