@@ -71,6 +71,7 @@ from trainer_sdk import api
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.saveload._collectives import backend_timeout, release_group
 from trainer_sdk.storage import Location, Storage, open_storage
+from trainer_sdk.storage.local import write_beside_training
 from trainer_sdk.wire import Trigger
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers", "async_save", "stage_and_commit"]
@@ -197,7 +198,9 @@ idle one."""
 
 def _yield_cpu() -> None:
     """Lower the calling thread's CPU priority (Linux, where ``nice`` is per thread; threads
-    it starts inherit it). Elsewhere, or if refused, the write runs at normal priority."""
+    it starts inherit it; elsewhere, or if refused, the write runs at normal priority), and
+    leave the disk writeback of its files to their fsync (:func:`write_beside_training`)."""
+    write_beside_training()
     if sys.platform != "linux":
         return
     tid = threading.get_native_id()

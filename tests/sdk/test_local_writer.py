@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -76,6 +77,37 @@ def test_a_save_with_early_writeback_round_trips(
     trainer_sdk.load(dest, str(tmp_path))
     for k, v in state.items():
         assert torch.equal(dest[k], v), k
+
+
+def test_the_background_writer_leaves_writeback_to_the_fsync_and_a_save_in_the_caller_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Beside training (an async save's writer thread) early writeback slows the steps more
+    # than it shortens the save, so that thread's writers leave it to the fsync; a save the
+    # caller waits for still starts it every _WRITEBACK_EVERY bytes. Both round-trip.
+    from trainer_sdk import staging
+
+    asked: dict[str, int] = {}
+
+    def record(fd: int, off: int, n: int) -> None:
+        name = threading.current_thread().name
+        asked[name] = asked.get(name, 0) + 1
+
+    monkeypatch.setattr(local, "_WRITEBACK_EVERY", 1 << 20)
+    monkeypatch.setattr(local, "_start_writeback", record)
+    g = torch.Generator().manual_seed(4)
+    # above the 16 MiB that async_save writes wholly at normal priority on its commit thread
+    state = {f"w{i}": torch.randn(3 << 20, generator=g) for i in range(2)}  # 24 MiB
+    trainer_sdk.save(state, str(tmp_path / "sync"), step=1)
+    assert asked.pop("MainThread") >= 20
+    assert asked == {}
+    staging.async_save(state, str(tmp_path / "async"), step=2).wait()
+    assert asked == {}
+    for root, step in (("sync", 1), ("async", 2)):
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert trainer_sdk.load(dest, str(tmp_path / root)).step == step
+        for k, v in state.items():
+            assert torch.equal(dest[k], v), (root, k)
 
 
 # ------------------------------------------------ spares: the memory tier overwrites old files

@@ -33,6 +33,7 @@ import secrets
 import shutil
 import stat
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Final, cast
 from urllib.parse import unquote, urlparse
@@ -47,6 +48,7 @@ __all__ = [
     "keep_as_spares",
     "spare_candidates",
     "take_spare",
+    "write_beside_training",
 ]
 
 _TMP_MARK: Final = ".tmp-"
@@ -87,9 +89,30 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     per chunk overlaps the disk with the rest of the save. It does not wait for the I/O and
     promises no durability: the fsync in :meth:`LocalWriter.commit` still does that.
     Linux only (``sync_file_range(2)``); elsewhere, and on any error, it does nothing.
+    Not from a thread marked by :func:`write_beside_training`.
     """
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+_thread_role = threading.local()
+
+
+def write_beside_training() -> None:
+    """Mark the calling thread as one that writes while training steps run (an async save's
+    background writer): the :class:`LocalWriter` objects it opens leave all disk writeback to
+    the commit's fsync instead of starting it every 32 MiB.
+
+    Early writeback shortens a save the caller waits for (the disk works during the copy), but
+    beside training it costs the steps more than it wins: each request submits I/O from the
+    writing thread while the step runs, and a ``sync_file_range`` per 32 MiB slowed the steps
+    beside a 0.25 GiB background write to disk from 1.02-1.03x to 1.07-1.11x and raised the
+    training time it lost from 30-33 ms to 43-47 ms, for 0.03 s sooner durable (0.41-0.47 s):
+    two interleaved runs of ``bench/anchors.py``-style cycles (``docs/performance.md``,
+    "Early writeback beside training"). Durability is the same: every file is fsync'd before
+    it is renamed into place.
+    """
+    _thread_role.beside_training = True
 
 
 def _fsync_dir(path: str) -> None:
@@ -179,6 +202,7 @@ class LocalWriter:
         )
         self._written = 0
         self._flushed = 0
+        self._early_writeback = not getattr(_thread_role, "beside_training", False)
         self.reused = take_spare(spares, self._tmp)
         """Whether this writer overwrites a spare file rather than a new one."""
         flags = os.O_WRONLY | _O_NOFOLLOW | _O_CLOEXEC
@@ -199,7 +223,7 @@ class LocalWriter:
             n = os.write(self._fd, view)
             view = view[n:]
             self._written += n
-        if self._written - self._flushed >= _WRITEBACK_EVERY:
+        if self._early_writeback and self._written - self._flushed >= _WRITEBACK_EVERY:
             _start_writeback(self._fd, self._flushed, self._written - self._flushed)
             self._flushed = self._written
 
