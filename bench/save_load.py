@@ -243,7 +243,7 @@ def _hash_costs(state: dict[str, torch.Tensor]) -> dict[str, float]:
     from blake3 import blake3
     from xxhash import xxh3_128
 
-    from trainer_sdk.format._crc import crc32
+    from trainer_sdk._crc import crc32
 
     views = [t.reshape(-1).view(torch.uint8).numpy().data for t in state.values()]
     nbytes = sum(len(v) for v in views)

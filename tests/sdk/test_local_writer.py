@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import trainer_sdk
-from trainer_sdk.format import _crc
+from trainer_sdk import _crc
 from trainer_sdk.storage import local
 
 
