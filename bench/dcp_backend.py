@@ -12,7 +12,11 @@ load hits every method alike; medians, with the load average printed before and 
   ``.metadata``). Both fsync; Baton also hashes every block (BLAKE3) on save and verifies on load.
 * S3 (versitygw on 127.0.0.1, as ``bench/s3.py``): ``BatonWriter("s3://...")`` against AWS's
   ``s3torchconnector`` 1.5 ``S3StorageWriter`` / ``S3StorageReader`` (its DCP integration, the
-  anchor a DCP user on S3 would pick; DCP itself has no S3 writer but fsspec's).
+  anchor a DCP user on S3 would pick; DCP itself has no S3 writer but fsspec's). Baton's
+  default sends each part's CRC32 in a signed header and no hash of the body in the signature
+  (``S3Config.sign_payload=False``), as s3torchconnector's CRT client does over http (it sends
+  ``UNSIGNED-PAYLOAD`` and no checksum); a third saver, ``BatonWriter, body signed``, is
+  Baton with ``sign_payload=True`` (botocore's own default over http: a SHA-256 of every part).
 
 Loads are cold for the disk rows (the files' pages dropped first). Client CPU seconds per GiB
 are this process's (user + system). Not a test: nothing passes or fails here.
@@ -40,6 +44,7 @@ from baton_testing.pagecache import drop_cache
 from baton_testing.s3 import REGION, VersityServer, client_env
 
 from trainer_sdk.integrations.dcp import BatonLoadPlanner, BatonReader, BatonWriter
+from trainer_sdk.storage.s3 import S3Config, S3Storage
 
 N_TENSORS = 16
 BUCKET = "bench"
@@ -169,6 +174,16 @@ def bench_s3(base: Path, state: dict[str, torch.Tensor], runs: int, t: Table) ->
                     ),
                 ),
                 (
+                    "S3 save: BatonWriter, body signed",
+                    lambda uri=f"{baton_uri}-signed", step=run: dcp.save(
+                        state,
+                        storage_writer=BatonWriter(
+                            S3Storage.from_uri(uri, config=S3Config(sign_payload=True)),
+                            step=step,
+                        ),
+                    ),
+                ),
+                (
                     "S3 save: s3torchconnector",
                     lambda uri=s3tc_uri: dcp.save(state, storage_writer=s3tc_writer(uri)),
                 ),
@@ -233,6 +248,7 @@ def main() -> None:
         ("disk save: BatonWriter", "disk save: FileSystemWriter"),
         ("disk load: BatonReader", "disk load: FileSystemReader"),
         ("S3 save: BatonWriter", "S3 save: s3torchconnector"),
+        ("S3 save: BatonWriter, body signed", "S3 save: s3torchconnector"),
         ("S3 load: BatonReader", "S3 load: s3torchconnector"),
     ]
     for mine, anchor in pairs:

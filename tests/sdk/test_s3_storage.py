@@ -3,10 +3,15 @@ storage protocol's behaviour."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import random
 import tracemalloc
+import zlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from baton_testing.s3 import S3Bucket
@@ -287,6 +292,10 @@ def test_config_from_env() -> None:
         S3Config.from_env({"BATON_S3_PART_SIZE_MIB": "1"})
     with pytest.raises(ValueError, match="retry_mode"):
         S3Config.from_env({"BATON_S3_RETRY_MODE": "legacy"})
+    assert not S3Config.from_env({}).sign_payload
+    assert S3Config.from_env({"BATON_S3_SIGN_PAYLOAD": "true"}).sign_payload
+    with pytest.raises(ValueError, match="BATON_S3_SIGN_PAYLOAD='maybe'"):
+        S3Config.from_env({"BATON_S3_SIGN_PAYLOAD": "maybe"})
 
 
 def test_open_storage_reads_env_config(
@@ -314,6 +323,53 @@ def test_multipart_without_checksums(s3_bucket: S3Bucket, monkeypatch: pytest.Mo
     w.write(data)
     w.commit()
     assert s3_bucket.get("ckpt/plain") == data
+
+
+@pytest.mark.parametrize(
+    ("env", "signed", "crc"),
+    [
+        ({}, False, True),  # the default: each part's CRC32, in a signed header, no body hash
+        ({"BATON_S3_SIGN_PAYLOAD": "1"}, True, True),
+        ({"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required"}, True, False),  # never bare
+    ],
+    ids=["crc-unsigned", "crc-signed", "no-crc-signed"],
+)
+def test_a_part_body_is_protected_by_its_crc32_or_by_the_signature(
+    s3_bucket: S3Bucket,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    signed: bool,
+    crc: bool,
+) -> None:
+    """What each UploadPart sends over http, seen by botocore's before-send hook, and the
+    server (moto, versitygw) accepting it: the CRC32 is the SDK's own (ISA-L), the body's
+    SHA-256 is in the signature only when asked for or when no CRC32 goes with the body."""
+    for var, value in {"BATON_S3_PART_SIZE_MIB": "5", **env}.items():
+        monkeypatch.setenv(var, value)
+    st = S3Storage.from_uri(s3_bucket.uri(), config=S3Config.from_env())
+    sent: dict[int, tuple[bytes, dict[str, str]]] = {}
+
+    def seen(request: Any, **_: Any) -> None:
+        number = int(parse_qs(urlsplit(request.url).query)["partNumber"][0])
+        headers = {  # a prepared request's values: str, or bytes once signed
+            k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()
+        }
+        sent[number] = bytes(request.body), headers
+
+    st._client.meta.events.register("before-send.s3.UploadPart", seen)
+    data = _payload(11 * MiB + 4321)  # three parts
+    w = st.open_writer("guarded", size_hint=len(data))
+    for off in range(0, len(data), 777_777):
+        w.write(data[off : off + 777_777])
+    w.commit()
+    assert s3_bucket.get("ckpt/guarded") == data
+    assert sorted(sent) == [1, 2, 3]  # parts go up in parallel: ordered by number here
+    assert b"".join(sent[n][0] for n in sorted(sent)) == data
+    for body, headers in sent.values():
+        want_crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+        assert headers.get("x-amz-checksum-crc32") == (want_crc if crc else None)
+        want_sha = hashlib.sha256(body).hexdigest() if signed else "UNSIGNED-PAYLOAD"
+        assert headers["x-amz-content-sha256"] == want_sha
 
 
 def test_abort_after_commit_keeps_the_object(s3_bucket: S3Bucket) -> None:

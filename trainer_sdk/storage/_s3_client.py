@@ -40,17 +40,21 @@ def make_client(config: S3Config) -> Any:
     """A boto3 S3 client configured by ``config`` (credentials from the usual AWS chain)."""
     # botocore reads AWS_DEFAULT_REGION but not AWS_REGION, the name the contracts use.
     region = config.region or os.environ.get("AWS_REGION") or None
-    bc = botocore.config.Config(
-        retries={"mode": config.retry_mode, "total_max_attempts": config.max_attempts},
-        connect_timeout=config.connect_timeout,
-        read_timeout=config.read_timeout,
-        max_pool_connections=config.max_pool_connections,
-        s3={"addressing_style": config.addressing_style},
-        user_agent_extra="baton-trainer-sdk",
-    )
     # A fresh session per storage, sharing one loader (see the module's docstring).
     with _LOADER_LOCK:
         core = botocore.session.get_session()
         core.register_component("data_loader", _loader())
+        # Unsigned bodies only when each one carries a CRC32 (S3Config.sign_payload); the
+        # checksum setting as botocore resolves it (environment, then the config file).
+        checksums = core.get_config_variable("request_checksum_calculation")
+        sign = config.sign_payload or checksums == "when_required"
+        bc = botocore.config.Config(
+            retries={"mode": config.retry_mode, "total_max_attempts": config.max_attempts},
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            max_pool_connections=config.max_pool_connections,
+            s3={"addressing_style": config.addressing_style, "payload_signing_enabled": sign},
+            user_agent_extra="baton-trainer-sdk",
+        )
         session = boto3.session.Session(botocore_session=core)
         return session.client("s3", region_name=region, endpoint_url=config.endpoint_url, config=bc)
