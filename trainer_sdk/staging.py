@@ -27,9 +27,12 @@ Invariants, and why:
   The write of a save above ``normal_priority_below`` bytes (this rank's share; 16 MiB for the
   Checkpointer and :func:`async_save`) runs on a thread at a lower CPU priority (``nice`` +10
   on Linux, per thread; it hashes what it writes itself), so on a busy machine the
-  training step keeps its cores and the write takes what is left. The commit (the records'
-  all-gather, the manifest, ``latest``) then runs on a thread at normal priority, and so does
-  the whole of a smaller save: its write costs a few milliseconds of CPU, and at background
+  training step keeps its cores and the write takes what is left. It also leaves disk
+  writeback to each file's fsync (``storage.local.write_beside_training``): early writeback
+  shortens a save the caller waits for, but slowed the steps beside a background one. The
+  commit (the records' all-gather, the manifest, ``latest``) then runs on a thread at normal
+  priority, and so does the whole of a smaller save: its write costs a few milliseconds of
+  CPU, and at background
   priority on a loaded machine (load 10 on 2 cores) a 4 MiB save took 5.7 s to commit where
   DCP's async save took 0.5 s (``bench/commit_latency.py``). The bound: a save's commit
   never runs at background priority, and neither does any part of a save of at most
