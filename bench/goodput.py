@@ -36,7 +36,7 @@ cached, and about 10 GiB of free disk for the checkpoints it keeps)::
     .venv/bin/python bench/goodput.py --out goodput-out --steps 1000 --step-sleep 0 \\
         --every-steps 100 --fast-every-steps 10 --fast-size-limit 1Gi --d-model 1024 \\
         --n-layers 2 --batch-size 2 --mtbi 240 --min-gap 120 --seed 30 \\
-        [--methods ...] [--schedule FILE]
+        [--methods ...] [--schedule FILE] [--stage-in-background]
 
 The demo's small model (``--d-model 64 --n-layers 2``, the defaults) runs in minutes.
 
@@ -109,6 +109,8 @@ def baton_job(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         *storage_env,
     ]
+    if args.stage_in_background:  # the Checkpointer's copy beside the next steps
+        env.append({"name": "BATON_STAGE_IN_BACKGROUND", "value": "1"})
     return training_job(
         JOB, JOB_NS, image="tinylm:bench",
         command=["python", str(TRAIN), "--steps", str(args.steps), *batch_args(args)],
@@ -404,6 +406,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--fast-size-limit", default="64Mi",
         help="baton-memory's checkpoint.fastSizeLimit (docs/operator.md: (2 + 2 x replicas) x "
         "the state / 2, and the whole state for a restore from memory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--stage-in-background", action="store_true",
+        help="Baton's jobs copy their saves and snapshots beside the next steps "
+        "($BATON_STAGE_IN_BACKGROUND=1, docs/checkpointer.md)",
     )  # fmt: skip
     p.add_argument("--d-model", type=int, default=64, help="tinylm's width")
     p.add_argument("--n-layers", type=int, default=2, help="tinylm's depth")
