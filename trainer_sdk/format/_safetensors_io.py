@@ -31,8 +31,8 @@ from typing import Final
 import torch
 from xxhash import xxh3_128
 
-from trainer_sdk.errors import CheckpointError
 from trainer_sdk._crc import crc32
+from trainer_sdk.errors import CheckpointError
 from trainer_sdk.storage.base import Writer
 
 __all__ = [

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainer_sdk._crc import crc32
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -33,7 +34,6 @@ from trainer_sdk.errors import (
     UnsupportedFormatError,
 )
 from trainer_sdk.format import _catalog
-from trainer_sdk._crc import crc32
 from trainer_sdk.format._safetensors_io import ST_TO_TORCH, byte_view
 from trainer_sdk.format._tree import TreeDecoder, as_any, dtensor_box, dtensor_type, tensor_slots
 from trainer_sdk.format.layout import (

@@ -37,8 +37,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
-from trainer_sdk.errors import StorageError
 from trainer_sdk._crc import crc32
+from trainer_sdk.errors import StorageError
 from trainer_sdk.storage import _s3_retry as _retry
 from trainer_sdk.storage import _s3_tree, _save_deadline
 from trainer_sdk.storage._s3_client import make_client
