@@ -136,7 +136,7 @@ class S3Config:
     ``UNSIGNED-PAYLOAD`` and its body is protected by the CRC32 it carries in a signed header,
     which S3 verifies (what botocore does by default over https, and AWS's CRT client, the
     engine of ``s3torchconnector``, over http too). botocore's default over plain http is to
-    sign, which costs a second pass over every byte (0.5-0.8 CPU s per GiB here) on a client
+    sign, which costs a second pass over every byte (about 0.65 CPU s per GiB here) on a client
     that shares its cores with training. Signing stays on whatever this says when the
     CRC32s are off (``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), so that a body is
     never unprotected on the wire."""
@@ -181,7 +181,8 @@ class S3Config:
             try:
                 kwargs[name] = convert(raw)
             except ValueError:
-                raise ValueError(f"{var}={raw!r} is not a valid {convert.__name__}") from None
+                kind = _KINDS.get(convert, convert.__name__)
+                raise ValueError(f"{var}={raw!r} is not a valid {kind}") from None
         try:
             return cls(**kwargs)
         except ValueError as e:
@@ -213,6 +214,13 @@ ENV_VARS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "BATON_S3_SIGN_PAYLOAD": ("sign_payload", _flag),
 }
 """Environment overrides of :class:`S3Config` fields: variable -> (field, parser)."""
+
+_KINDS: Final[dict[Callable[[str], Any], str]] = {
+    _mib: "whole number of MiB",
+    _flag: "flag (1 or 0)",
+}
+"""What an error about a variable calls its parser's kind (the others are named ``int``,
+``float`` and ``str`` already)."""
 
 
 def first_part_size(config: S3Config, size_hint: int | None) -> int:
