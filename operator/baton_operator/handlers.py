@@ -200,6 +200,7 @@ async def _job_daemon(
             # Cleared before the tick, not after: an event that arrives while the tick runs
             # (a notice, a pod going away) makes the next tick start at once.
             wake.clear()
+            began = datetime.now(tz=UTC)
             try:
                 delay = await reconciler.tick(namespace, name, memory)
             except KubeRejectedError as e:
@@ -212,7 +213,7 @@ async def _job_daemon(
                 # persists say so in the job's status and Events (faults.py).
                 delay = api.backoff(config.tick_seconds)
                 logger.warning("reconcile failed, retrying in %.1fs: %s", delay, e)
-                await api.failed(kube, memo["post"], namespace, name, e)
+                await api.failed(kube, memo["post"], namespace, name, e, began=began)
             except BatonOperatorError as e:
                 # Retry at the next tick: a sidecar may be back by then.
                 logger.warning("reconcile failed, retrying: %s", e)

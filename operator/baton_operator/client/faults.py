@@ -159,12 +159,23 @@ class JobFaults:
         return float(min(_MAX_BACKOFF_SECONDS, tick_seconds * 2 ** min(self.failures, 8)))
 
     async def failed(
-        self, kube: Kube, post: EventPoster, namespace: str, name: str, error: KubeError
+        self,
+        kube: Kube,
+        post: EventPoster,
+        namespace: str,
+        name: str,
+        error: KubeError,
+        *,
+        began: datetime | None = None,
     ) -> None:
-        """Record a failed tick; on the second in a row (a persisting fault), report it."""
+        """Record a failed tick; on the second in a row (a persisting fault), report it.
+
+        ``began``: when the failed tick started. The fault is dated from there, not from when
+        the failure came back: with the API server gone, a call fails only at the client's
+        timeout, and dating the fault from then left that wait out of the span reported."""
         now = datetime.now(tz=UTC)
         self.failures += 1
-        self.since = self.since or now
+        self.since = self.since or began or now
         self.reason, fix = reaction(error.status)
         self.last = str(error)
         if self.failures < 2 or self.reported == self.reason:
