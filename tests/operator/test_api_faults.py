@@ -243,6 +243,24 @@ def test_an_rbac_loss_of_one_tick_is_recorded_on_recovery_and_a_blip_is_not() ->
     assert blip.events == []
 
 
+def test_a_fault_is_dated_from_the_start_of_the_tick_that_failed() -> None:
+    """With the API server gone a call fails only at the client's timeout; the span reported
+    on recovery starts when that tick began, not when its failure came back (a 60 s outage
+    was reported as 47 s)."""
+    jobs = _Jobs("Running")
+    api = faults.JobFaults()
+    gone = KubeError("get_job: HTTP 503: the API server is unavailable", status=503)
+    began = datetime.now(tz=UTC) - timedelta(seconds=40)
+    asyncio.run(api.failed(cast(Any, jobs), jobs.post, "ns", "tj", gone, began=began))
+    asyncio.run(
+        api.failed(cast(Any, jobs), jobs.post, "ns", "tj", gone, began=datetime.now(tz=UTC))
+    )
+    asyncio.run(api.succeeded(cast(Any, jobs), jobs.post, "ns", "tj"))
+    recovered = [m for kind, reason, m in jobs.events if reason == "APIRecovered"]
+    assert len(recovered) == 1, jobs.events
+    assert "work again after 40s of" in recovered[0], recovered[0]
+
+
 def test_healthz_fails_sooner_when_the_operator_lacks_rbac() -> None:
     now = [0.0]
     health = metrics.Health(grace_seconds=30.0, clock=lambda: now[0])
