@@ -27,7 +27,7 @@ background thread, on a process group of its own:
 
 A load reads the manifest of a complete step, then, for every tensor in the state, only the
 byte ranges that overlap what this rank holds (which is what makes a change of world size
-work), straight into the destination tensors, verifying a crc32 per block as it goes.
+work), straight into the destination tensors, verifying a checksum per block as it goes.
 """
 
 from __future__ import annotations

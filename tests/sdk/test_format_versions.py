@@ -1,7 +1,8 @@
-"""Format v4 (XXH3-128 digests of the shards) is what a save writes; v1 (sha256 for every file)
-and v2 (BLAKE3 shards) checkpoints are still loaded and verified, a corrupt byte is caught by
-a load (block crc32) and by ``verify`` (the whole-file digest) whichever digest the manifest
-records, and a digest that does not fit its version is refused."""
+"""Format v5 (XXH3-128 digests of the shards, an XXH3-64 per block) is what a save writes; v1
+(sha256 for every file), v2 (BLAKE3 shards) and v4 (XXH3-128 shards) checkpoints, all with a
+crc32 per block, are still loaded and verified, a corrupt byte is caught by a load (the block
+checksum) and by ``verify`` (the whole-file digest) whichever the manifest records, and a
+digest or block checksum that does not fit its version is refused."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import hashlib
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from blake3 import blake3
-from xxhash import xxh3_128_hexdigest
+from xxhash import xxh3_64_intdigest, xxh3_128_hexdigest
 
 import trainer_sdk
 from trainer_sdk.errors import CorruptCheckpointError, ManifestError
@@ -63,12 +65,25 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return torch.equal(a["w"], b["w"]) and torch.equal(a["h"], b["h"]) and a["n"] == b["n"] == 5
 
 
-def test_a_save_writes_v4_with_an_xxh3_128_digest_of_each_shard(tmp_path: Path) -> None:
+def _blocks(data: bytes, piece: dict[str, Any], block: int) -> list[bytes]:
+    raw = data[piece["begin"] : piece["end"]]
+    return [raw[o : o + block] for o in range(0, len(raw), block)]
+
+
+def test_a_save_writes_v5_with_an_xxh3_128_digest_of_each_shard_and_an_xxh3_64_per_block(
+    tmp_path: Path,
+) -> None:
     m = _save(tmp_path)
-    assert m["version"] == FORMAT_VERSION == 4
+    assert m["version"] == FORMAT_VERSION == 5
     shard = m["files"][_SHARD]
     assert set(shard) == {"size", "xxh3_128", "data_start"}
-    assert shard["xxh3_128"] == xxh3_128_hexdigest((tmp_path / _STEP / _SHARD).read_bytes())
+    data = (tmp_path / _STEP / _SHARD).read_bytes()
+    assert shard["xxh3_128"] == xxh3_128_hexdigest(data)
+    for t in m["tensors"].values():
+        for piece in t["pieces"]:
+            assert "crc32" not in piece
+            want = [f"{xxh3_64_intdigest(b):016x}" for b in _blocks(data, piece, m["block_size"])]
+            assert piece["xxh3_64"] == want
     # the small JSON file keeps sha256, which any machine can check with sha256sum
     assert (
         m["files"][_JSON]["sha256"]
@@ -79,19 +94,23 @@ def test_a_save_writes_v4_with_an_xxh3_128_digest_of_each_shard(tmp_path: Path) 
 
 
 def _as_older(root: Path, version: int) -> None:
-    """Rewrite the manifest as an older Baton wrote it: v1 with sha256 for every file, or v2
-    with BLAKE3 for the shard."""
+    """Rewrite the manifest as an older Baton wrote it: a crc32 per block, and v1 with sha256
+    for every file, v2 with BLAKE3 for the shard, or v4 with XXH3-128 for it."""
     path = root / _STEP / MANIFEST
     m = json.loads(path.read_text())
     m["version"] = version
-    for name, f in m["files"].items():
-        if f.pop("xxh3_128", None) is None:
-            continue
-        data = (root / _STEP / name).read_bytes()
+    data = (root / _STEP / _SHARD).read_bytes()
+    for t in m["tensors"].values():
+        for piece in t["pieces"]:
+            del piece["xxh3_64"]
+            piece["crc32"] = [zlib.crc32(b) for b in _blocks(data, piece, m["block_size"])]
+    if version < 4:
+        shard = m["files"][_SHARD]
+        del shard["xxh3_128"]
         if version == 1:
-            f["sha256"] = hashlib.sha256(data).hexdigest()
+            shard["sha256"] = hashlib.sha256(data).hexdigest()
         else:
-            f["blake3"] = blake3(data).hexdigest()
+            shard["blake3"] = blake3(data).hexdigest()
     path.write_text(json.dumps(m))
 
 
@@ -102,12 +121,14 @@ def _flip_a_data_byte(root: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(("version", "digest"), [(1, "sha256"), (2, "blake3"), (4, "xxh3_128")])
+@pytest.mark.parametrize(
+    ("version", "digest"), [(1, "sha256"), (2, "blake3"), (4, "xxh3_128"), (5, "xxh3_128")]
+)
 def test_every_version_loads_verifies_and_catches_a_flipped_byte(
     tmp_path: Path, version: int, digest: str
 ) -> None:
     _save(tmp_path)
-    if version < 4:
+    if version < FORMAT_VERSION:
         _as_older(tmp_path, version)
     assert _equal(_loaded(tmp_path), _state())
     ok = _verify(tmp_path)
@@ -148,6 +169,55 @@ def test_a_digest_that_does_not_fit_the_version_is_refused(
     shard.update(digests)
     with pytest.raises(ManifestError, match=message):
         _parse(m)
+
+
+@pytest.mark.parametrize(
+    ("version", "change", "message"),
+    [
+        (4, {}, "needs exactly one block checksum of crc32$"),  # v5's xxh3_64 in a v4 manifest
+        (5, {"crc32": [1]}, "needs exactly one block checksum of crc32 or xxh3_64"),  # both
+        (5, {"xxh3_64": [1]}, r"xxh3_64 must list one checksum per block \(not 16 lowercase hex"),
+        (5, {"xxh3_64": ["0" * 15 + "G"]}, "xxh3_64 must list one checksum per block"),
+        (5, {"xxh3_64": ["0" * 16] * 2}, r"one checksum per block \(1, not 2\)"),
+        (4, {"xxh3_64": None, "crc32": [2**32]}, r"crc32 must list .*\(not a 32-bit int each"),
+        (4, {"xxh3_64": None, "crc32": [True]}, "crc32 must list one checksum per block"),
+    ],
+)
+def test_a_block_checksum_that_does_not_fit_the_version_is_refused(
+    tmp_path: Path, version: int, change: dict[str, Any], message: str
+) -> None:
+    m = _save(tmp_path)
+    m["version"] = version
+    piece = m["tensors"]["w"]["pieces"][0]
+    assert len(piece["xxh3_64"]) == 1  # one block: 257 * 31 float32s
+    for key, value in change.items():
+        if value is None:
+            del piece[key]
+        else:
+            piece[key] = value
+    with pytest.raises(ManifestError, match=message):
+        _parse(m)
+
+
+def test_v5_accepts_a_crc32_piece_beside_xxh3_64_ones(tmp_path: Path) -> None:
+    """A reference to a shard that a v4 Baton wrote keeps its crc32 blocks in a v5 manifest."""
+    _save(tmp_path)
+    path = tmp_path / _STEP / MANIFEST
+    m = json.loads(path.read_text())
+    data = (tmp_path / _STEP / _SHARD).read_bytes()
+    piece = m["tensors"]["w"]["pieces"][0]
+    piece["crc32"] = [zlib.crc32(b) for b in _blocks(data, piece, m["block_size"])]
+    del piece["xxh3_64"]
+    path.write_text(json.dumps(m))
+    parsed = _parse(m)
+    assert parsed.version == 5
+    assert parsed.tensors["w"].pieces[0].block_hash == "crc32"
+    assert parsed.tensors["h"].pieces[0].block_hash == "xxh3_64"
+    assert Manifest.parse(parsed.to_json_bytes(), step=7) == parsed  # both kinds round-trip
+    assert _equal(_loaded(tmp_path), _state())
+    _flip_a_data_byte(tmp_path)  # in "h", the last tensor: its xxh3_64 block catches it
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'h'"):
+        _loaded(tmp_path)
 
 
 def test_v4_accepts_any_digest_per_file(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ def test_frozen_base_is_written_once_and_resume_is_bitwise(
         assert all(f.endswith(".safetensors") for f in old), old
         for s in (9, 10):
             m = _manifest(root, s)
-            assert m.version == 4  # references (v3) and xxh3_128 digests (v4)
+            assert m.version == 5  # references (v3), xxh3_128 digests (v4), xxh3_64 blocks (v5)
             assert m.referenced_steps() == {1, _EDIT_STEP}
             assert {m.files[p.file].step for p in m.tensors["model.base.weight"].pieces} == {5}
             assert not set(_BASE) & _written_keys(m)

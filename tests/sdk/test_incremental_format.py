@@ -60,19 +60,23 @@ def _ref(m: dict[str, Any]) -> str:
 
 
 def _as_v2(m: dict[str, Any]) -> None:
-    """Mark ``m`` as v2 with the digests a v2 manifest may have (BLAKE3 for the shards)."""
+    """Mark ``m`` as v2 with the digests a v2 manifest may have (BLAKE3 for the shards, crc32
+    blocks)."""
     m["version"] = 2
     for f in m["files"].values():
         if f.pop("xxh3_128", None) is not None:
             f["blake3"] = "0" * 64
+    for t in m["tensors"].values():
+        for piece in t["pieces"]:
+            piece["crc32"] = [0] * len(piece.pop("xxh3_64"))
 
 
 def test_later_saves_reference_the_frozen_base(tmp_path: Path) -> None:
     m1, m2, m3 = _saves(tmp_path, 3)
-    assert m1.version == 4  # nothing to reference, but xxh3_128 digests: v4
+    assert m1.version == 5  # nothing to reference, but xxh3_64 blocks: v5
     assert m1.referenced_steps() == set()
     for m in (m2, m3):
-        assert m.version == 4
+        assert m.version == 5
         assert m.referenced_steps() == {1}  # always the step that holds the bytes: one hop
         for key in ("model.0.weight", "model.0.bias"):
             (piece,) = m.tensors[key].pieces
@@ -131,7 +135,7 @@ def test_a_v2_reader_refuses_v3_as_a_newer_version(
 ) -> None:
     _saves(tmp_path, 2)
     m1, m2 = _raw(tmp_path, 1), _raw(tmp_path, 2)
-    _as_v2(m1)  # as older Batons wrote them: BLAKE3 digests (v4 adds xxh3_128)
+    _as_v2(m1)  # as older Batons wrote them: BLAKE3 digests (v4 adds xxh3_128), crc32 blocks
     _as_v2(m2)
     m2["version"] = 3
     monkeypatch.setattr(layout, "FORMAT_VERSION", 2)  # what a v2 Baton is
@@ -140,14 +144,15 @@ def test_a_v2_reader_refuses_v3_as_a_newer_version(
     assert _parse(m1).version == 2  # its own full steps it still reads
 
 
-def test_a_v3_reader_refuses_v4_as_a_newer_version(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("reader", [3, 4])
+def test_older_readers_refuse_v5_as_a_newer_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: int
 ) -> None:
     _saves(tmp_path, 2)
-    assert _parse(_raw(tmp_path, 1)).version == 4  # xxh3_128 digests: v4 with or without refs
-    monkeypatch.setattr(layout, "FORMAT_VERSION", 3)  # what a v3 Baton is
+    assert _parse(_raw(tmp_path, 1)).version == 5  # xxh3_64 blocks: v5 with or without refs
+    monkeypatch.setattr(layout, "FORMAT_VERSION", reader)  # what a v3 or v4 Baton is
     for step in (1, 2):
-        with pytest.raises(UnsupportedFormatError, match="format version 4 is not supported"):
+        with pytest.raises(UnsupportedFormatError, match="format version 5 is not supported"):
             _parse(_raw(tmp_path, step))
 
 
@@ -207,7 +212,7 @@ def test_full_every_steps_bounds_how_far_a_reference_reaches(tmp_path: Path) -> 
 def test_full_every_steps_1_references_nothing(tmp_path: Path) -> None:
     ms = _saves(tmp_path, 3, full_every_steps=1)
     assert [sorted(m.referenced_steps()) for m in ms] == [[], [], []]
-    assert [m.version for m in ms] == [4, 4, 4]
+    assert [m.version for m in ms] == [5, 5, 5]
 
 
 def test_async_saves_reference_too(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """write_shard hashes in the writing thread: small views are gathered into one write; larger
-ones are hashed and written HASH_PIECE bytes at a time, the crc32 of a block running over its
+ones are hashed and written HASH_PIECE bytes at a time, the XXH3-64 of a block running over its
 pieces. A shard mixing both (in every order, around the threshold, split into blocks, blocks
-split into pieces) must be the same file, digest and per-block crc32 as the pieces' bytes say,
+split into pieces) must be the same file, digest and per-block XXH3-64 as the pieces' bytes say,
 and read back bitwise by safetensors and by trainer_sdk.load; a byte flipped inside a block's
 second piece, in a real file, is caught by a load and by ``verify``."""
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-from xxhash import xxh3_128_hexdigest
+from xxhash import xxh3_64_intdigest, xxh3_128_hexdigest
 
 import trainer_sdk
 from trainer_sdk import Checkpointer
@@ -93,11 +92,11 @@ def test_gathered_and_piecewise_views_are_hashed_and_written_in_order(block: int
     assert set(back) == set(tensors)
     for k, t in tensors.items():
         assert torch.equal(back[k], t), k
-        begin, end, crcs = res.pieces[k]
+        begin, end, sums = res.pieces[k]
         raw = data[begin:end]
         assert raw == t.reshape(-1).view(torch.uint8).numpy().tobytes(), k
-        want = [zlib.crc32(raw[o : o + block]) for o in range(0, len(raw), block)]
-        assert list(crcs) == want, k
+        want = [xxh3_64_intdigest(raw[o : o + block]) for o in range(0, len(raw), block)]
+        assert list(sums) == want, k
 
 
 def _model(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -140,7 +139,7 @@ def test_memory_snapshot_of_mixed_tensor_sizes_restores_bitwise(tmp_path: Path) 
 def test_a_byte_flipped_inside_a_block_is_caught_by_load_and_verify(tmp_path: Path) -> None:
     """Real files, the default 8 MiB blocks: a tensor of two blocks and a bit, each block
     hashed in HASH_PIECE pieces; the flipped byte is in the second piece of the second block,
-    so only a crc32 that ran over every piece of its block catches it."""
+    so only a block checksum that ran over every piece of its block catches it."""
     g = torch.Generator().manual_seed(11)
     block = 8 << 20
     state = {"w": torch.randn((2 * block + 12345) // 4, generator=g), "b": torch.randn(7)}
@@ -151,7 +150,8 @@ def test_a_byte_flipped_inside_a_block_is_caught_by_load_and_verify(tmp_path: Pa
     shard = step / piece["file"]
     data = shard.read_bytes()
     raw = data[piece["begin"] : piece["end"]]
-    assert piece["crc32"] == [zlib.crc32(raw[o : o + block]) for o in range(0, len(raw), block)]
+    want = [f"{xxh3_64_intdigest(raw[o : o + block]):016x}" for o in range(0, len(raw), block)]
+    assert piece["xxh3_64"] == want
     assert manifest["files"][piece["file"]]["xxh3_128"] == xxh3_128_hexdigest(data)
     back = {"w": torch.zeros_like(state["w"]), "b": torch.zeros(7)}
     trainer_sdk.load(back, str(tmp_path))

@@ -180,19 +180,7 @@ def build_manifest(
         for key, m in rec["tensors"].items():
             meta.setdefault(key, m)
         for key, pj in rec["pieces"]:
-            pieces.setdefault(key, []).append(
-                Piece(
-                    file=pj["file"],
-                    name=pj["name"],
-                    dtype=pj["dtype"],
-                    offsets=tuple(pj["offsets"]),
-                    shape=tuple(pj["shape"]),
-                    begin=pj["begin"],
-                    end=pj["end"],
-                    crc32=tuple(pj["crc32"]),
-                    rank=pj.get("rank"),
-                )
-            )
+            pieces.setdefault(key, []).append(Piece.from_record(pj))
     tensors: dict[str, TensorEntry] = {}
     for key, m in meta.items():
         ps = tuple(sorted(pieces.get(key, []), key=lambda p: (p.offsets, p.rank or 0)))
@@ -208,7 +196,7 @@ def build_manifest(
                 raise CheckpointError(f"tensor {key!r} is both written and referenced")
             tensors[key] = entry
     return Manifest(
-        version=lowest_version(files),
+        version=lowest_version(files, tensors),
         step=step,
         world_size=world,
         trigger=trigger,

@@ -2,7 +2,7 @@
 
 Why: under DDP every rank holds the whole model and optimizer, so a plain load has each of N
 ranks read every byte: N times the state from storage, N clients competing for one bucket's
-bandwidth. Here each tensor that every rank needs whole is read (and verified, a crc32 per
+bandwidth. Here each tensor that every rank needs whole is read (and verified, a checksum per
 block, exactly as a plain load does) by one rank, its *reader*, and sent to the others over the
 process group. Storage sees each byte once.
 
@@ -143,7 +143,7 @@ def candidates(slots: Mapping[str, Any], manifest: Manifest, *, strict: bool) ->
 
 def tensors_digest(manifest: Manifest) -> str:
     """sha256 of the manifest's tensor table (keys, dtypes, shapes, pieces with their files,
-    offsets and block crc32s): equal on ranks that read the same step's bytes."""
+    offsets and block checksums): equal on ranks that read the same step's bytes."""
     h = hashlib.sha256()
     for key, entry in manifest.tensors.items():
         h.update(json.dumps([key, entry.to_json()], separators=(",", ":")).encode())

@@ -2,7 +2,7 @@
 
 A load reads the manifest of a complete step, then, for every tensor in the state, only the
 byte ranges that overlap what this rank holds (which is what makes a change of world size
-work), straight into the destination tensors, verifying a crc32 per block as it goes. In a
+work), straight into the destination tensors, verifying a checksum per block as it goes. In a
 cooperative load (on S3 by default), the tensors every rank needs whole (a DDP state) are first
 read once between the ranks and broadcast (:mod:`trainer_sdk.saveload._coop`, steps 1-4 there, run
 from here before the tree is decoded). The JSON tree is decoded by
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from trainer_sdk._crc import crc32
 from trainer_sdk.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -43,6 +42,7 @@ from trainer_sdk.format.layout import (
     Piece,
     TensorEntry,
     block_count,
+    block_sum,
     file_path,
     json_name,
     new_hasher,
@@ -157,8 +157,8 @@ class Reader:
         except ValueError as e:
             raise ManifestError(f"not valid JSON ({e})", path=self._path(name)) from e
 
-    def _verify(self, view: memoryview | bytearray, want: int, path: str, key: str, k: int) -> None:
-        if crc32(view) != want:
+    def _verify(self, view: memoryview | bytearray, p: Piece, path: str, key: str, k: int) -> None:
+        if block_sum(p.block_hash, view) != p.sums[k]:
             raise CorruptCheckpointError(
                 f"checksum mismatch in tensor {key!r}, block {k}: the file is corrupt; load an "
                 "older step",
@@ -184,9 +184,7 @@ class Reader:
                 self.storage.read_into(key_path, p.begin + r0, out[r0 - start : r1 - start])
                 for k in run:
                     view = out[k * bs - start : min((k + 1) * bs, p.nbytes) - start]
-                    self._checks.append(
-                        self._pool.submit(self._verify, view, p.crc32[k], path, key, k)
-                    )
+                    self._checks.append(self._pool.submit(self._verify, view, p, path, key, k))
                 self.bytes_read += r1 - r0
             for k in blocks:
                 b0, b1 = k * bs, min((k + 1) * bs, p.nbytes)
@@ -195,7 +193,7 @@ class Reader:
                 # an edge block: read it whole into scratch so it can be verified
                 tmp = bytearray(b1 - b0)
                 self.storage.read_into(key_path, p.begin + b0, memoryview(tmp))
-                self._verify(tmp, p.crc32[k], path, key, k)
+                self._verify(tmp, p, path, key, k)
                 lo, hi = max(start, b0), min(end, b1)
                 out[lo - start : hi - start] = memoryview(tmp)[lo - b0 : hi - b0]
                 self.bytes_read += b1 - b0

@@ -24,6 +24,7 @@ from trainer_sdk.errors import (
 from trainer_sdk.format import _catalog
 from trainer_sdk.format._safetensors_io import PieceSource, ShardResult, write_shard
 from trainer_sdk.format.layout import (
+    BLOCK_HASH,
     BLOCK_SIZE,
     FileEntry,
     Manifest,
@@ -73,7 +74,7 @@ def write_shard_file(
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[str, ShardResult]:
     """Write and commit this rank's shard file of ``step`` from ``sources``; its name and
-    what was written (sizes, digests, every piece's byte range and block crc32s). Refuses to
+    what was written (sizes, digests, every piece's byte range and block checksums). Refuses to
     publish into a step that another writer committed meanwhile. ``metadata`` adds entries to
     the safetensors header's ``__metadata__``. Used by :func:`write_rank` and by the DCP
     backend (``integrations.dcp``), whose planner decides the pieces."""
@@ -151,7 +152,7 @@ def write_rank(
     pieces: list[tuple[str, Piece]] = []
     for p in plan.pieces:
         meta.setdefault(p.key, {"kind": p.kind, "dtype": p.dtype, "shape": list(p.global_shape)})
-        begin, end, crcs = res.pieces[p.name]
+        begin, end, sums = res.pieces[p.name]
         pieces.append(
             (
                 p.key,
@@ -163,7 +164,8 @@ def write_rank(
                     shape=p.shape,
                     begin=begin,
                     end=end,
-                    crc32=crcs,
+                    block_hash=BLOCK_HASH,
+                    sums=sums,
                     rank=rank if p.kind == "rank_local" else None,
                 ),
             )

@@ -12,11 +12,12 @@ strategies, verl, Ray Train, a hand-written FSDP2 loop) writes Baton checkpoints
     dcp.load(state, storage_reader=BatonReader("s3://bucket/run"), planner=BatonLoadPlanner())
 
 What a step written this way is: Baton's format (``docs/format.md``): one safetensors shard per
-rank, holding the chunks DCP's planner gave that rank, with a crc32 per block and an XXH3-128 of the
-file; the per-rank JSON files; and the JSON manifest, created exclusively by the coordinator as
-the commit, after the fencing check, then ``latest``. DCP's own planners decide who writes what
-(their de-duplication of replicated tensors and DTensor shards included) and, on load, which
-byte boxes each rank needs: resharding to another world size or placement is theirs.
+rank, holding the chunks DCP's planner gave that rank, with an XXH3-64 per block and an XXH3-128
+of the file; the per-rank JSON files; and the JSON manifest, created exclusively by the
+coordinator as the commit, after the fencing check, then ``latest``. DCP's own planners decide
+who writes what (their de-duplication of replicated tensors and DTensor shards included) and,
+on load, which byte boxes each rank needs: resharding to another world size or placement is
+theirs.
 
 **No pickle.** DCP's ``FileSystemWriter`` pickles its ``.metadata`` file and every non-tensor
 value (``torch.save`` of an ``io.BytesIO``). Here the reader builds DCP's ``Metadata`` from the

@@ -29,8 +29,10 @@ from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format._safetensors_io import PieceSource, st_dtype
 from trainer_sdk.format._tree import TENSOR
 from trainer_sdk.format.layout import (
+    BLOCK_HASH,
     BLOCK_SIZE,
     FileEntry,
+    Piece,
     file_path,
     json_name,
     step_dir,
@@ -176,12 +178,12 @@ class BatonWriter(StorageWriter):
         for (item, name), src in zip(tensor_items, sources, strict=True):
             td = item.tensor_data
             assert td is not None
-            begin, end, crcs = res.pieces[name]
-            piece = {
-                "file": sname, "name": name, "dtype": src.dtype,
-                "offsets": [int(o) for o in td.chunk.offsets], "shape": list(src.shape),
-                "begin": begin, "end": end, "crc32": list(crcs),
-            }  # fmt: skip
+            begin, end, sums = res.pieces[name]
+            piece = Piece(
+                file=sname, name=name, dtype=src.dtype,
+                offsets=tuple(int(o) for o in td.chunk.offsets), shape=tuple(src.shape),
+                begin=begin, end=end, block_hash=BLOCK_HASH, sums=sums,
+            ).to_json()  # fmt: skip
             whole = tuple(td.chunk.sizes) == tuple(td.size)
             results.append(
                 WriteResult(
