@@ -8,6 +8,7 @@ Azure acknowledgement see every save that ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 from collections.abc import Callable
@@ -62,6 +63,8 @@ class Sidecar:
         self._bad_status: str | None = None
         self._answered: str | None = None
         """The request id whose ended status ``GET /v1/status`` last returned."""
+        self._settled: collections.deque[str] = collections.deque(maxlen=16)
+        """Request ids the operator has decided on (:meth:`settle`): none is waited for."""
         self.clouds: list[str] | None = None
         """The clouds whose notices are watched; ``None`` while auto-detection runs."""
         self.replication: Callable[[], dict[str, Any]] | None = None
@@ -190,17 +193,39 @@ class Sidecar:
             text = json.dumps(report, separators=(",", ":"))
         return text if len(text.encode()) <= MAX_TERMINATION_MESSAGE else None
 
-    def unanswered(self) -> bool:
-        """Whether a checkpoint request is pending, running, or ended without its outcome
-        having been served by ``GET /v1/status`` yet (see ``SidecarConfig.linger_seconds``)."""
-        if self.channel.request_path.exists():
-            return True
+    def settle(self, request_id: str) -> None:
+        """The operator has decided on request ``request_id`` (``POST
+        /v1/checkpoint/{id}/settled``): one rank's ``committed`` proves the whole checkpoint,
+        so it may restart the job without reading this rank's outcome. Nothing is waited for
+        on its account at shutdown; an id this sidecar never saw is remembered all the same
+        (the request may have come before a restart of the sidecar)."""
+        if request_id not in self._settled:
+            self._settled.append(request_id)
+
+    def unanswered(self) -> str | None:
+        """What is still unanswered: a checkpoint request pending, its save running, or its
+        outcome ended but not served by ``GET /v1/status`` yet (see
+        ``SidecarConfig.linger_seconds``), in words for the log; None when nothing is."""
+        try:
+            pending = self.channel.read_request()
+        except ControlError:
+            pending = None
+        if pending is not None and pending.id not in self._settled:
+            return f"request {pending.id} not taken by the trainer yet"
+        if pending is None and self.channel.request_path.exists():
+            return "a request that cannot be read is pending"
         status = self._status_or_none()
-        if status is None or not status.request_id:
-            return False
+        if status is None or not status.request_id or status.request_id in self._settled:
+            return None
         if status.state in _IN_FLIGHT:
-            return True
-        return status.state in _ENDED and status.request_id != self._answered
+            return f"the save for request {status.request_id} is {status.state.value}"
+        if status.state in _ENDED and status.request_id != self._answered:
+            tier = f", tier {status.tier}" if status.tier else ""
+            return (
+                f"the outcome of request {status.request_id} ({status.state.value}{tier}) not "
+                "read yet"
+            )
+        return None
 
     def _status_or_none(self) -> Status | None:
         try:

@@ -141,20 +141,31 @@ async def _linger(config: SidecarConfig, sidecar: Sidecar, loop: asyncio.Abstrac
     once; without this the operator could miss the ``committed`` it is polling for and fall
     back to an older step. A second SIGTERM or SIGINT ends the wait.
     """
-    if config.linger_seconds <= 0 or not sidecar.unanswered():
+    waiting = sidecar.unanswered() if config.linger_seconds > 0 else None
+    if waiting is None:
         return
     again = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, again.set)
     log.info(
-        "stopping after the checkpoint outcome is read (at most %.1fs more)",
+        "stopping after the checkpoint outcome is read (at most %.1fs more): %s",
         config.linger_seconds,
+        waiting,
     )
-    end = loop.time() + config.linger_seconds
-    while sidecar.unanswered() and not again.is_set() and loop.time() < end:
+    start = loop.time()
+    end = start + config.linger_seconds
+    while waiting is not None and not again.is_set() and loop.time() < end:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(again.wait(), timeout=0.1)
+        waiting = sidecar.unanswered()
+    if waiting is not None:
+        log.warning(
+            "stopping after %.1fs with %s (%s)",
+            loop.time() - start,
+            waiting,
+            "a second signal" if again.is_set() else "the linger is over",
+        )
 
 
 def _write_final_report(config: SidecarConfig, sidecar: Sidecar) -> None:

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -212,6 +213,24 @@ async def _post_checkpoint(request: web.Request) -> web.Response:
         },
         status=202,
     )
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+async def _post_settled(request: web.Request) -> web.Response:
+    """The operator decided on a request from another rank's outcome: this sidecar need not
+    wait at shutdown for its own to be read (:meth:`Sidecar.settle`)."""
+    request_id = request.match_info["id"]
+    if not _REQUEST_ID.fullmatch(request_id):
+        return _error(
+            400,
+            f"{request_id[:80]!r} is not a request id: use the 'id' that POST /v1/checkpoint "
+            "answered (letters, digits, '_' and '-', at most 64)",
+        )
+    request.app[SIDECAR_KEY].settle(request_id)
+    log.info("checkpoint request %s settled by the operator", request_id)
+    return web.json_response({"id": request_id, "settled": True})
 
 
 def _check_body(body: Any) -> str | None:
@@ -428,6 +447,7 @@ def create_app(
     app.router.add_get("/v1/snapshots/{step}/{name}", _get_replica_file)
     app.router.add_put("/v1/replication/peers", _put_peers)
     app.router.add_post("/v1/checkpoint", _post_checkpoint)
+    app.router.add_post("/v1/checkpoint/{id}/settled", _post_settled)
     app.router.add_get("/v1/status", _get_status)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)

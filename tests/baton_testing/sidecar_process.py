@@ -141,6 +141,13 @@ class SidecarProcess:
             timeout=10,
         )
 
+    def settle(self, request_id: str, *, token: str | None = "default") -> requests.Response:
+        return requests.post(
+            f"{self.url}/v1/checkpoint/{request_id}/settled",
+            headers=self.headers(token),
+            timeout=10,
+        )
+
     def status(self, *, token: str | None = "default") -> requests.Response:
         return requests.get(f"{self.url}/v1/status", headers=self.headers(token), timeout=10)
 

@@ -232,6 +232,8 @@ class FakeSidecars:
         """``PUT /v1/replication/peers`` bodies by pod IP (the memory tier's peers)."""
         self.peers_down: set[str] = set()
         """Pod IPs whose sidecar does not answer that PUT."""
+        self.settled: list[tuple[str, str]] = []
+        """``POST /v1/checkpoint/{id}/settled`` calls: (pod IP, request id)."""
 
     async def status(self, ip: str, token: str) -> SidecarStatus:
         report = self.reports.get(ip)
@@ -244,6 +246,11 @@ class FakeSidecars:
     ) -> str:
         self.requests.append((ip, deadline, reason))
         return f"req-{ip}"
+
+    async def settle(self, ip: str, token: str, request_id: str) -> None:
+        if self.reports.get(ip) is None:
+            raise SidecarUnreachableError(f"sidecar at {ip} did not answer (test)")
+        self.settled.append((ip, request_id))
 
     async def set_peers(self, ip: str, token: str, body: dict[str, Any]) -> None:
         if ip in self.peers_down:
@@ -413,6 +420,45 @@ def test_a_spot_notice_checkpoints_every_rank_then_moves_the_job() -> None:
     assert env["BATON_RESUME_STEP"] == "40"
     assert "n1" in str(pod["spec"]["affinity"])
     assert h.kube.phases() == ["Pending", "Running", "Checkpointing", "Restarting", "Pending"]
+
+
+def test_a_commit_seen_on_one_rank_settles_every_ranks_request_before_the_pods_go() -> None:
+    # One rank's committed proves the checkpoint: the verdict comes while the other ranks are
+    # still writing theirs. Their sidecars hear that the request is decided, or each would
+    # keep its pod for its linger waiting for an outcome that nobody will read, and the
+    # next attempt would wait for those pods (seen: 16 s in Restarting in bench/goodput.py).
+    h = Harness()
+    h.running()
+    h.spot_notice("n1")
+    h.tick()
+    h.report_all(state="saving", step=40, trigger="notice")
+    h.tick()
+    assert h.kube.status["phase"] == "Checkpointing"
+    assert h.sidecars.settled == [], "nothing is decided before a commit"
+    ip0 = "10.0.0.1"
+    h.sidecars.reports[ip0] = SidecarStatus(
+        request_id=f"req-{ip0}", state="committed", step=40, trigger="notice",
+        uri="s3://bucket/tj", seconds=1.5, tier="durable",
+    )  # fmt: skip
+    h.sidecars.reports["10.0.0.3"] = None  # this rank's sidecar no longer answers
+    phases_seen: list[str] = []
+    settle = h.sidecars.settle
+
+    async def settle_after_the_decision(ip: str, token: str, request_id: str) -> None:
+        phases_seen.append(h.kube.status["phase"])
+        await settle(ip, token, request_id)
+
+    h.sidecars.settle = settle_after_the_decision  # type: ignore[method-assign]
+    h.tick()
+    assert h.kube.status["phase"] == "Restarting"
+    assert set(phases_seen) == {"Restarting"}, "settled only once the decision is written"
+    assert sorted(h.sidecars.settled) == [
+        ("10.0.0.1", "req-10.0.0.1"),
+        ("10.0.0.2", "req-10.0.0.2"),
+    ]
+    assert sorted(h.kube.deleted) == [
+        (h.pod(0, r), h.config.delete_grace_seconds) for r in range(3)
+    ], "an unanswered settle holds nothing up"
 
 
 def test_a_failed_save_falls_back_to_the_newest_step_any_rank_committed() -> None:

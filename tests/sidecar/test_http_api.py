@@ -492,13 +492,52 @@ def test_the_linger_is_bounded_and_a_second_sigterm_ends_it(
     ControlChannel(bounded.control_dir).write_status(_committed("r-unread"))
     _sigterm(bounded)
     assert _exited_within(bounded, 6.0) == 0  # nobody read it: gone after ~1 s anyway
+    # The log says what it waited for, and that nobody came.
+    assert "the outcome of request r-unread (committed) not read yet" in bounded.log()
+    assert "the linger is over" in bounded.log()
 
     impatient = sidecar_factory(env={"BATON_SIDECAR_LINGER": "60"})
-    impatient.post_checkpoint({"deadline": _in(60), "reason": "x"})  # pending, never taken
-    _sigterm(impatient)
+    rid = impatient.post_checkpoint({"deadline": _in(60), "reason": "x"}).json()["id"]
+    _sigterm(impatient)  # pending, never taken
     _still_running_after(impatient, 1.0)
     _sigterm(impatient)
     assert _exited_within(impatient, 5.0) == 0
+    assert f"request {rid} not taken by the trainer yet (a second signal)" in impatient.log()
+
+
+def test_a_request_the_operator_settled_is_not_waited_for(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    # The operator decided from another rank's committed: this rank's outcome will never be
+    # read, so the pod goes as soon as its trainer has, not after the whole linger.
+    sc = sidecar_factory(env={"BATON_SIDECAR_LINGER": "60"})
+    ControlChannel(sc.control_dir).write_status(_committed("r-decided"))
+    answer = sc.settle("r-decided")
+    assert (answer.status_code, answer.json()) == (200, {"id": "r-decided", "settled": True})
+    _sigterm(sc)
+    assert _exited_within(sc, 5.0) == 0
+    assert "stopping after the checkpoint outcome is read" not in sc.log()
+
+    # A request still pending when it is settled (the trainer never took it) is not waited
+    # for either; one settled id does not cover another.
+    pending = sidecar_factory(env={"BATON_SIDECAR_LINGER": "60"})
+    rid = pending.post_checkpoint({"deadline": _in(60), "reason": "x"}).json()["id"]
+    assert pending.settle("some-other-request").status_code == 200
+    _sigterm(pending)
+    _still_running_after(pending, 1.0)
+    assert pending.settle(rid).status_code == 200
+    assert _exited_within(pending, 5.0) == 0
+
+
+def test_settling_needs_the_token_and_a_request_id(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    sc = sidecar_factory()
+    assert sc.settle("r-1", token=None).status_code == 401
+    assert sc.settle("r-1", token="wrong").status_code == 401
+    bad = sc.settle("a.b")
+    assert bad.status_code == 400
+    assert "is not a request id" in bad.json()["error"]
 
 
 def test_on_exit_the_outcome_goes_into_the_termination_message(

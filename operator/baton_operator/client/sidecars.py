@@ -98,6 +98,12 @@ class SidecarClient:
         )
         return str(data.get("id", ""))
 
+    async def settle(self, ip: str, token: str, request_id: str) -> None:
+        """``POST /v1/checkpoint/{id}/settled``: the operator has decided on that request
+        (another rank's ``committed`` proved the checkpoint), so the sidecar need not stay
+        up after its trainer for this rank's outcome to be read."""
+        await self._call("POST", ip, f"/v1/checkpoint/{request_id}/settled", token, None)
+
     async def status(self, ip: str, token: str) -> SidecarStatus:
         """``GET /v1/status``."""
         return SidecarStatus.from_json(await self._call("GET", ip, "/v1/status", token, None))

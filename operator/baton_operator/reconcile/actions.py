@@ -50,6 +50,9 @@ _OVERDUE: Final = timedelta(seconds=5)
 """A graceful pod deletion this long past its ``deletionTimestamp`` has no kubelet behind it."""
 _NODE_CHECK_SECONDS: Final = 10.0
 """A node under an overdue pod deletion is looked up at most this often."""
+_SETTLE_SECONDS: Final = 1.0
+"""How long a restart waits for the sidecars to hear that their requests are decided (they
+answer in milliseconds; one on a dying node must not hold the restart up)."""
 
 
 def is_dns_name(address: str | None) -> bool:
@@ -332,8 +335,37 @@ class Actions(Room):
                 "Restarting",
                 plan.message,
             )
+        await self.settle_requests(t)
         await self.delete_pods(spec, list(t.current.values()), now)
         await self._creator.drop_pod_groups(t, [status.attempt])
+
+    async def settle_requests(self, t: Tick) -> None:
+        """Tell each rank's sidecar that its notice request is decided (the decision is
+        written): one rank's ``committed`` proves the checkpoint, so the verdict can come
+        before a slower rank has reported, and that rank's sidecar would otherwise keep its
+        pod for its whole linger (15 s) waiting for its outcome to be read, and the next
+        attempt with it. Best effort and bounded: a sidecar that does not answer at once
+        lingers as before."""
+        notice = t.status.notice
+        if notice is None or not notice.request_ids or t.memory.token is None:
+            return
+        token = t.memory.token
+
+        async def settle(v: RankView, request_id: str) -> None:
+            try:
+                await asyncio.wait_for(
+                    self._sidecars.settle(v.ip or "", token, request_id), _SETTLE_SECONDS
+                )
+            except (SidecarUnreachableError, TimeoutError) as e:
+                _log.debug("settling rank %d's request %s: %s", v.rank, request_id, e)
+
+        calls = [
+            settle(v, notice.request_ids[v.rank])
+            for v in t.views
+            if v.ip and not v.node_lost and v.rank < len(notice.request_ids)
+            and notice.request_ids[v.rank]
+        ]  # fmt: skip
+        await asyncio.gather(*calls)
 
     async def start_attempt(
         self,
