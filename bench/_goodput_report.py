@@ -52,6 +52,32 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def restart_table(rows: list[dict[str, Any]]) -> str:
+    """Where the restarts' seconds went: rank 0's trainer start-up phases (medians over the
+    run's restarts), and the rest of the restart (the save, the pods going and coming, the
+    wait for a node judged lost, the first step); empty when no run logged them."""
+    phases = ("launch", "rendezvous", "setup", "restore")
+    lines = [
+        "| method | restarts | restart s | trainer: interpreter and imports | rendezvous | "
+        "set-up (model, DDP, Checkpointer) | restore | the rest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        measured = r.get("restart_phases") or []
+        if not measured or len(measured) != len(r["restart_s"]):
+            continue
+        med = {k: statistics.median(m[k] for m in measured) for k in phases}
+        rest = statistics.median(
+            total - sum(m.values()) for total, m in zip(r["restart_s"], measured, strict=True)
+        )
+        cells = " | ".join(f"{med[k]:.1f} s" for k in phases)
+        lines.append(
+            f"| {r['method']} | {len(measured)} | {statistics.median(r['restart_s']):.1f} s | "
+            f"{cells} | {rest:.1f} s |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -91,6 +117,10 @@ def render(data: dict[str, Any], out: Path) -> None:
         f"{float(args['mtbi']):.0f}s between interruptions (aws/gke/none {mix}); x: interruption"
     )
     plot(rows, out / "goodput.png", title)
-    text = "\n".join([f"# Goodput ({title})", "", table(rows), ""])
+    parts = [f"# Goodput ({title})", "", table(rows), ""]
+    restarts = restart_table(rows)
+    if restarts:
+        parts += ["Where the restarts went (medians; rank 0's trainer):", "", restarts, ""]
+    text = "\n".join(parts)
     (out / "goodput.md").write_text(text)
     print(text)

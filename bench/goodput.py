@@ -28,7 +28,9 @@ wall time); steps recomputed (steps trained more than once); restart seconds per
 (from the interruption to the first step after the resume; median and worst); bytes written to
 durable storage (Baton: the objects in the bucket, with ``keepLast`` high so that none is
 deleted; the baseline: the ``torch.save`` files; memory-tier snapshots are not counted);
-whether the final weights are bitwise equal to the uninterrupted run's.
+whether the final weights are bitwise equal to the uninterrupted run's; and where the
+restarts went: rank 0's trainer start-up phases as tinylm logs them (interpreter and imports,
+the rendezvous, the script's set-up, the restore; medians over the restarts) and the rest.
 
 Usage (the run in docs/performance.md, a 290 MiB state: about 50 minutes on 2 cores, binaries
 cached, and about 10 GiB of free disk for the checkpoints it keeps)::
@@ -348,6 +350,22 @@ def bucket_bytes(demo: Demo, prefix: str) -> int:
     return total
 
 
+PHASES = ("launch", "rendezvous", "setup", "restore")
+"""Rank 0's trainer start-up, as tinylm logs it in its ``start`` event: interpreter and
+imports, ``init_process_group``, the script's set-up (data, model, DDP, the Checkpointer), the
+restore."""
+
+
+def restart_phases(log: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """The start-up phases of every start after the first (a restart), in seconds."""
+    starts = sorted((e for e in log if e.get("event") == "start"), key=lambda e: float(e["time"]))
+    return [
+        {k: float(e[f"{k}_seconds"]) for k in PHASES}
+        for e in starts[1:]
+        if all(e.get(f"{k}_seconds") is not None for k in PHASES)
+    ]
+
+
 def measure_run(
     label: str, demo: Demo, run: dict[str, Any], steps: int, bytes_written: int
 ) -> dict[str, Any]:
@@ -384,6 +402,7 @@ def measure_run(
             for ev in demo.interruptions
         ],
         "restart_s": restarts,
+        "restart_phases": restart_phases(log),
         "bytes_written": bytes_written,
         "sha256": str(done[-1]["sha256"]) if done else None,
         "state_bytes": int(done[-1].get("state_bytes", 0)) if done else None,

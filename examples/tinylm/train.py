@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,6 +61,21 @@ from torch.utils.data import DataLoader, Dataset
 import trainer_sdk
 
 # --------------------------------------------------------------------------- data
+
+
+def seconds_since_exec() -> float | None:
+    """Seconds since this process started (its exec: interpreter start-up and imports
+    included), from /proc; None where there is no /proc."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return time.time() - (boot + start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def generate_corpus(n_sentences: int, seed: int) -> str:
@@ -296,9 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layers", type=int, default=int(os.environ.get("TINYLM_N_LAYERS", "2")))
     args = parser.parse_args(argv)
 
+    # Where a (re)start's seconds go, for bench/goodput.py: up to here, the interpreter and
+    # the imports; then the rendezvous; then the set-up (data, model, DDP's broadcast, the
+    # Checkpointer); then the restore.
+    launched = seconds_since_exec()
+    t_rdzv = time.monotonic()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rendezvous_seconds = time.monotonic() - t_rdzv
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     # Determinism: same seeds on every rank for the model, per-rank seeds for the data path.
@@ -343,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             every_steps=args.every_steps,
         )
     t0 = time.monotonic()
+    setup_seconds = t0 - t_rdzv - rendezvous_seconds
     start = ckpt.restore()
     restore_seconds = time.monotonic() - t0
     attempt = os.environ.get("BATON_ATTEMPT", "0")
@@ -361,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                         "step": start,
                         "attempt": attempt,
                         "restore_seconds": restore_seconds,
+                        "launch_seconds": launched,
+                        "rendezvous_seconds": rendezvous_seconds,
+                        "setup_seconds": setup_seconds,
                         "time": time.time(),
                     }
                 )

@@ -86,3 +86,30 @@ def test_runs_of_another_schedule_are_refused(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "was run with other schedule than" in result.stderr, result.stderr[-2000:]
     assert "--schedule FILE" in result.stderr
+
+
+def test_the_restarts_seconds_are_split_into_the_trainers_start_up_phases(tmp_path: Path) -> None:
+    # tinylm logs each start's phases; the report shows their medians over a run's restarts
+    # and what is left of the restart (the save, the pods, the first step). A run written
+    # before the phases were logged renders without that table.
+    clean = _run_file(tmp_path / "a.json", [_row("no-interruptions", 55.0, "s1", [])], [KILL])
+    memory = _row("baton-memory", 60.5, "s1", ["kill", "aws notice", "kill"])
+    memory["restart_s"] = [9.0, 12.0, 10.0]
+    memory["restart_phases"] = [
+        {"launch": 3.0, "rendezvous": 1.0, "setup": 2.0, "restore": 1.0},  # rest 2.0
+        {"launch": 2.0, "rendezvous": 0.5, "setup": 2.5, "restore": 1.5},  # rest 5.5
+        {"launch": 4.0, "rendezvous": 0.0, "setup": 1.0, "restore": 2.0},  # rest 3.0
+    ]
+    durable = _row("baton-durable", 66.0, "s1", ["kill"])  # no phases logged
+    result = _render(
+        tmp_path / "out", clean, _run_file(tmp_path / "b.json", [memory, durable], [KILL])
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "out" / "goodput.md").read_text()
+    assert "| baton-memory | 3 | 10.0 s | 3.0 s | 0.5 s | 2.0 s | 1.5 s | 3.0 s |" in text, text
+    assert "| baton-durable | 1 |" not in text
+    (tmp_path / "old").mkdir()
+    old = _run_file(tmp_path / "old" / "b.json", [durable], [KILL])
+    result = _render(tmp_path / "old" / "out", clean, old)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Where the restarts went" not in (tmp_path / "old" / "out" / "goodput.md").read_text()
