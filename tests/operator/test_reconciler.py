@@ -1269,6 +1269,10 @@ def test_suspend_checkpoints_every_rank_first_then_stops_the_pods_and_resumes_th
     assert sorted(h.kube.deleted) == [
         (h.pod(0, r), h.config.delete_grace_seconds) for r in range(REPLICAS)
     ]
+    # decided: no sidecar keeps its pod waiting for its own outcome to be read
+    assert sorted(h.sidecars.settled) == [
+        (f"10.0.0.{r + 1}", f"req-10.0.0.{r + 1}") for r in range(3)
+    ]
     assert (status["attempt"], status["resumedFromStep"]) == (1, 40)
     assert status["lastCheckpoint"]["step"] == 40
     assert status["restartReason"] == "suspend"
