@@ -114,7 +114,10 @@ class ShardResult:
     """Hex XXH3-128 of the whole file (32 digits)."""
     data_start: int
     pieces: Mapping[str, tuple[int, int, tuple[int, ...]]]
-    """name -> (absolute begin, absolute end, XXH3-64 per block)."""
+    """name -> (absolute begin, absolute end, checksum per block)."""
+    block_hash: str
+    """The block checksum's key in a piece's record (``Piece.block_hash``): what computed the
+    sums says what they are, so that a writer cannot label them otherwise."""
     hash_seconds: float
     """Seconds the writing thread spent hashing."""
 
@@ -160,6 +163,9 @@ class _Hasher:
     """
 
     __slots__ = ("_block", "_digest", "busy")
+
+    BLOCK_HASH: Final = "xxh3_64"
+    """The key of the block checksums it computes (layout.BLOCK_HASH_VERSIONS)."""
 
     def __init__(self) -> None:
         self._digest = xxh3_128()
@@ -281,5 +287,6 @@ def write_shard(
         xxh3_128=hasher.hexdigest(),
         data_start=data_start,
         pieces=out,
+        block_hash=hasher.BLOCK_HASH,
         hash_seconds=hasher.busy,
     )

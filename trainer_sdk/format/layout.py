@@ -36,7 +36,6 @@ from trainer_sdk._crc import crc32
 from trainer_sdk.errors import ManifestError, UnsupportedFormatError
 
 __all__ = [
-    "BLOCK_HASH",
     "BLOCK_HASH_VERSIONS",
     "BLOCK_SIZE",
     "DIGESTS",
@@ -119,8 +118,6 @@ BLOCK_HASH_VERSIONS: Final = {"crc32": 1, "xxh3_64": 5}
 """Block checksums a piece may record, by key, and the first format version with each. A
 ``crc32`` list holds ints (zlib's crc32), an ``xxh3_64`` list 16-hex-digit strings (64-bit ints
 do not survive JSON readers that hold numbers as doubles)."""
-BLOCK_HASH: Final = "xxh3_64"
-"""The block checksum this Baton records for the pieces it writes."""
 
 STEP_DIR_RE: Final = re.compile(r"step-(\d{12})")
 FILE_RE: Final = re.compile(r"rank-(\d{5})-of-(\d{5})\.(safetensors|json)")

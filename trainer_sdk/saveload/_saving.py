@@ -24,7 +24,6 @@ from trainer_sdk.errors import (
 from trainer_sdk.format import _catalog
 from trainer_sdk.format._safetensors_io import PieceSource, ShardResult, write_shard
 from trainer_sdk.format.layout import (
-    BLOCK_HASH,
     BLOCK_SIZE,
     FileEntry,
     Manifest,
@@ -164,7 +163,7 @@ def write_rank(
                     shape=p.shape,
                     begin=begin,
                     end=end,
-                    block_hash=BLOCK_HASH,
+                    block_hash=res.block_hash,
                     sums=sums,
                     rank=rank if p.kind == "rank_local" else None,
                 ),

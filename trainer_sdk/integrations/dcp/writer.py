@@ -29,7 +29,6 @@ from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format._safetensors_io import PieceSource, st_dtype
 from trainer_sdk.format._tree import TENSOR
 from trainer_sdk.format.layout import (
-    BLOCK_HASH,
     BLOCK_SIZE,
     FileEntry,
     Piece,
@@ -182,7 +181,7 @@ class BatonWriter(StorageWriter):
             piece = Piece(
                 file=sname, name=name, dtype=src.dtype,
                 offsets=tuple(int(o) for o in td.chunk.offsets), shape=tuple(src.shape),
-                begin=begin, end=end, block_hash=BLOCK_HASH, sums=sums,
+                begin=begin, end=end, block_hash=res.block_hash, sums=sums,
             ).to_json()  # fmt: skip
             whole = tuple(td.chunk.sizes) == tuple(td.size)
             results.append(
