@@ -11,6 +11,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+PHASES = ("launch", "rendezvous", "setup", "restore")
+"""Rank 0's trainer start-up, as tinylm logs it in its ``start`` event (``<phase>_seconds``):
+interpreter and imports, ``init_process_group``, the script's set-up (data, model, DDP, the
+Checkpointer), the restore."""
+
 
 def add_goodput(rows: list[dict[str, Any]], steps: int) -> None:
     clean = next((r for r in rows if r["method"] == "no-interruptions"), None)
@@ -56,7 +61,6 @@ def restart_table(rows: list[dict[str, Any]]) -> str:
     """Where the restarts' seconds went: rank 0's trainer start-up phases (medians over the
     run's restarts), and the rest of the restart (the save, the pods going and coming, the
     wait for a node judged lost, the first step); empty when no run logged them."""
-    phases = ("launch", "rendezvous", "setup", "restore")
     lines = [
         "| method | restarts | restart s | trainer: interpreter and imports | rendezvous | "
         "set-up (model, DDP, Checkpointer) | restore | the rest |",
@@ -66,11 +70,11 @@ def restart_table(rows: list[dict[str, Any]]) -> str:
         measured = r.get("restart_phases") or []
         if not measured or len(measured) != len(r["restart_s"]):
             continue
-        med = {k: statistics.median(m[k] for m in measured) for k in phases}
+        med = {k: statistics.median(m[k] for m in measured) for k in PHASES}
         rest = statistics.median(
             total - sum(m.values()) for total, m in zip(r["restart_s"], measured, strict=True)
         )
-        cells = " | ".join(f"{med[k]:.1f} s" for k in phases)
+        cells = " | ".join(f"{med[k]:.1f} s" for k in PHASES)
         lines.append(
             f"| {r['method']} | {len(measured)} | {statistics.median(r['restart_s']):.1f} s | "
             f"{cells} | {rest:.1f} s |"

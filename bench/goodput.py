@@ -63,7 +63,7 @@ from typing import Any, Final
 
 import kubernetes.client
 import yaml
-from _goodput_report import add_goodput, render  # bench/ is sys.path[0]
+from _goodput_report import PHASES, add_goodput, render  # bench/ is sys.path[0]
 from baton_testing.demo import (
     JOB,
     JOB_NS,
@@ -348,12 +348,6 @@ def bucket_bytes(demo: Demo, prefix: str) -> int:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=demo.bucket, Prefix=prefix):
         total += sum(int(o["Size"]) for o in page.get("Contents", []))
     return total
-
-
-PHASES = ("launch", "rendezvous", "setup", "restore")
-"""Rank 0's trainer start-up, as tinylm logs it in its ``start`` event: interpreter and
-imports, ``init_process_group``, the script's set-up (data, model, DDP, the Checkpointer), the
-restore."""
 
 
 def restart_phases(log: list[dict[str, Any]]) -> list[dict[str, float]]:
