@@ -533,9 +533,16 @@ func (w *podWorker) cleanup() {
 	w.dropMemoryVolumes()
 }
 
+// backoff is how long a container that has exited waits before it starts again, given how
+// many times it has restarted. As in the kubelet (kuberuntime's doBackOff: a container with no
+// back-off entry yet is not in back-off), the first exit restarts at once; the back-off starts
+// at the second (1 s here, 10 s in the kubelet) and doubles.
 func backoff(restarts int32) time.Duration {
+	if restarts == 0 {
+		return 0
+	}
 	d := time.Second
-	for i := int32(0); i < restarts && d < maxBackoff; i++ {
+	for i := int32(1); i < restarts && d < maxBackoff; i++ {
 		d *= 2
 	}
 	if d > maxBackoff {
