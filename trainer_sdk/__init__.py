@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from trainer_sdk.errors import SupersededError as SupersededError
     from trainer_sdk.errors import UnreadableCheckpointError as UnreadableCheckpointError
     from trainer_sdk.errors import UnsupportedFormatError as UnsupportedFormatError
+    from trainer_sdk.exiting import exit_now as exit_now
+    from trainer_sdk.exiting import run as run
     from trainer_sdk.format._types import RankLocal as RankLocal
     from trainer_sdk.format._types import Stateful as Stateful
     from trainer_sdk.hf import export_hf as export_hf
@@ -85,6 +87,8 @@ _LAZY: dict[str, str] = {
     "EXIT_STOPPED_AFTER_NOTICE": "wire",
     "promote": "loop._promotion",
     "RestoreInfo": "checkpointer",
+    "run": "exiting",
+    "exit_now": "exiting",
 }
 
 __all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the lazy names are all str

@@ -44,7 +44,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -458,4 +457,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # sys.exit(main()), without the second of module teardown torch's compiler stack costs:
+    # the operator restarts this rank (or learns a peer's node is lost) once it has exited.
+    trainer_sdk.run(main)

@@ -625,4 +625,6 @@ def reference(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import trainer_sdk
+
+    trainer_sdk.run(main)  # as tinylm does: the pods' restarts do not wait for the teardown
