@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # Where a (re)start's seconds go, for bench/goodput.py: up to here, the interpreter and
-    # the imports; then the rendezvous; then the set-up (data, model, DDP's broadcast, the
-    # Checkpointer); then the restore.
+    # the imports; then the rendezvous; then the set-up (the determinism flag, whose first call
+    # imports torch's compiler stack, most of the set-up's time; data, model, DDP's broadcast,
+    # the Checkpointer); then the restore.
     launched = seconds_since_exec()
     t_rdzv = time.monotonic()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
