@@ -58,6 +58,16 @@ The contenders (each saves the same state object; any of them can be left out wi
   manager.lock(): optimizer.step()``; each training step here ends with that ``with``, so
   the wait counts in the first steps' extra time.
 
+And one that is not an anchor but the bound of this machine:
+
+* ``floor``: the least an async writer of this state can cost here. The copy into one
+  shared-memory buffer (a memfd) on a thread beside the next steps, the loop waiting for it
+  where its optimizer step would go; then a separate process at ``nice`` +10
+  (``bench/_floor_writer.py``, no torch) writes the bytes raw into one file in 8 MiB calls
+  and fsyncs it and its directory. No format, no hashes, no manifest, no commit. Its ratio
+  to the best anchor is how far below the anchors any writer can get on this machine; a goal
+  below it cannot be met here by any implementation.
+
 A process group of one rank (gloo) is initialised, because DCP's process executor needs one;
 every contender runs under it, as in a ``torchrun`` job.
 
@@ -77,8 +87,10 @@ Not a test: timings are never assertions.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,7 +98,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,6 +350,82 @@ class BatonBackground(Baton):
         return Started(wait=handle.wait, lock=copied)
 
 
+class Floor(Contender):
+    """The least any async writer of this state can cost the loop on this machine: the copy
+    into shared memory on a thread beside the next steps (the loop waits for it where its
+    optimizer step would go, as for ``baton-bg`` and torch-checkpointing), then a separate
+    process at ``nice`` +10 (``bench/_floor_writer.py``, no torch) writes the bytes raw into
+    one file and fsyncs it: no format, no hashes, no manifest, no commit."""
+
+    name = "floor"
+
+    def __init__(self) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "_floor_writer.py"), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self._arena: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="floor-stage")
+
+    def _map(self, state: State) -> None:
+        total = sum(t.numel() * t.element_size() for t in state["model"].values())
+        fd = os.memfd_create("baton-anchors-floor")
+        try:
+            os.ftruncate(fd, total)
+            self._arena = torch.frombuffer(mmap.mmap(fd, total), dtype=torch.uint8)
+            socket.send_fds(self._sock, [f"map {total}".encode()], [fd])
+        finally:
+            os.close(fd)
+        if self._sock.recv(64) != b"ok":
+            raise RuntimeError("floor: the writer process did not map the staging memory")
+        off = 0
+        for name, t in state["model"].items():
+            n = t.numel() * t.element_size()
+            self._views[name] = self._arena[off : off + n].view(t.dtype).view(t.shape)
+            off += n
+
+    def start(self, state: State, path: Path, step: int) -> Started:
+        if self._arena is None:
+            self._map(state)
+
+        def copy() -> None:
+            for k, t in state["model"].items():
+                self._views[k].copy_(t)
+
+        copied: Future[None] = self._copier.submit(copy)
+
+        def write() -> None:
+            copied.result()
+            self._sock.send(f"write {path}".encode())
+            answer = self._sock.recv(4096)
+            if answer != b"ok":
+                raise RuntimeError(f"floor: {answer.decode()}")
+
+        written: Future[None] = self._copier.submit(write)
+
+        @contextmanager
+        def staged() -> Iterator[None]:
+            copied.result()
+            yield
+
+        return Started(wait=written.result, lock=staged)
+
+    def load_p0(self, state: State, path: Path, step: int) -> torch.Tensor:
+        p0 = state["model"]["p0"]  # the first tensor: bytes [0, p0's size) of the file
+        n = p0.numel() * p0.element_size()
+        with open(path / "data.bin", "rb") as f:
+            raw = bytearray(f.read(n))
+        return torch.frombuffer(raw, dtype=p0.dtype).view(p0.shape)
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        self._sock.close()
+        self._proc.wait(timeout=30)
+
+
 def build(names: list[str]) -> list[Contender]:
     makers: dict[str, Callable[[], Contender]] = {
         "baton": Baton,
@@ -346,12 +434,16 @@ def build(names: list[str]) -> list[Contender]:
         "dcp-process": lambda: Dcp("dcp-process", process=True, shm_stager=False),
         "dcp-process-shm": lambda: Dcp("dcp-process-shm", process=True, shm_stager=True),
         "torch-ckpt": TorchCheckpointing,
+        "floor": Floor,
     }
     return [makers[n]() for n in names]
 
 
 BATON = ("baton", "baton-bg")
-ALL = ["baton", "baton-bg", "dcp-thread", "dcp-process", "dcp-process-shm", "torch-ckpt"]
+FLOOR = "floor"
+"""Not an anchor: the machine's bound (``Floor``); its column's ratio to the best anchor says
+how far below an anchor any writer can get here."""
+ALL = ["baton", "baton-bg", "dcp-thread", "dcp-process", "dcp-process-shm", "torch-ckpt", FLOOR]
 
 
 def _init_group() -> None:
@@ -373,9 +465,9 @@ def table(res: Results, contenders: list[Contender], media: list[str]) -> list[l
     def add(
         label: str, per: dict[str, float], fmt: Callable[[float], str], ratio_col: bool = True
     ) -> None:
-        anchors = {n: v for n, v in per.items() if n not in BATON}
+        anchors = {n: v for n, v in per.items() if n not in BATON and n != FLOOR}
         ratios = []
-        for ours in (n for n in BATON if n in names):
+        for ours in (n for n in (*BATON, FLOOR) if n in names):
             ratio = ""
             if ratio_col and ours in per and anchors:
                 best = min(anchors.values())
@@ -410,7 +502,7 @@ def table(res: Results, contenders: list[Contender], media: list[str]) -> list[l
         [
             "done means durable?",
             *("yes" if c.fsyncs else "NO: no fsync (page cache)" for c in contenders),
-            *("" for n in BATON if n in names),
+            *("" for n in (*BATON, FLOOR) if n in names),
         ]
     )
     return rows
@@ -481,7 +573,7 @@ def main() -> None:
         dist.destroy_process_group()
 
     rows = table(res, contenders, list(media))
-    head = ["figure", *names, *(f"{n} / best anchor" for n in BATON if n in names)]
+    head = ["figure", *names, *(f"{n} / best anchor" for n in (*BATON, FLOOR) if n in names)]
     print()
     print(
         f"{args.gib:g} GiB in {args.tensors} float32 tensors; a save every {args.every} steps; "
