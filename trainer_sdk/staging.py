@@ -39,8 +39,11 @@ Invariants, and why:
   ``normal_priority_below`` bytes. (The priority cannot be raised again once lowered without
   ``CAP_SYS_NICE``, which a restricted pod lacks: hence two threads, not one renice.)
   The 2025 PyTorch DCP work moved its writer into a separate process for the same reason as
-  the nice; here the writer's share of the GIL is small (a few calls per 8 MiB block), so the
-  scheduler's priority is what matters.
+  the nice. Here the writer thread takes the GIL back after each 512 KiB piece it hashes and
+  writes: beside a compute-bound step that costs nothing measurable, beside a Python-bound
+  one (a GPU trainer's launch thread) 2-5 % of the steps that run beside the write
+  (``bench/writer_place.py``; docs/performance.md, "The machine's floor"). A writer process
+  fed from the staged buffers would remove that; it is not built.
 * **Background failures are never lost.** The handle keeps the exception; the
   ``Checkpointer`` raises it at the next ``step()`` or ``close()``, and
   :meth:`AsyncSaveHandle.wait` raises it to direct callers.
