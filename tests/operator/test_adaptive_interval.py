@@ -3,7 +3,7 @@ interruption rate over node time (the job's pool's, else the job's own, else a p
 bounds (interval.py), and how the ranks receive it.
 
 The reconciler's use of it (recorded before the attempt's first pod, the same on every rank,
-chosen afresh after a preemption) is in test_reconciler.py.
+chosen afresh after a preemption) is in test_reconciler_hints.py.
 """
 
 from __future__ import annotations

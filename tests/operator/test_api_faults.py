@@ -25,10 +25,9 @@ from baton_operator.pure.settings import OperatorConfig
 from baton_operator.pure.watchcache import WatchCache
 from baton_operator.reconcile.writing import StatusWriter
 from baton_testing.ports import free_port
+from baton_testing.reconciler_fakes import JOB, NS, FakeKube, Harness, job_body
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
-
-from .test_reconciler import JOB, NS, FakeKube, Harness, job_body
 
 
 def _dead_api_kube() -> Kube:

@@ -2,7 +2,7 @@
 
 ``pods`` (which notice, how to delete), ``lifecycle`` (when to move at once, the one deadline
 clamp), ``reports`` (the fallback step) and ``jobstatus`` (parsing the status, and the one way
-a phase changes). The reconciler's use of them is tested in test_reconciler.py.
+a phase changes). The reconciler's use of them is tested in test_reconciler*.py.
 """
 
 from __future__ import annotations

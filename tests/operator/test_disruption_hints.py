@@ -1,7 +1,7 @@
 """Which pods carry the disruption hints, decided from one tick's view (disruption.py), and
 the pod-deletion-cost that ``spec.disruption.deletionCost`` keeps in step with the work at risk.
 
-The reconciler's use of it, tick by tick, is in test_reconciler.py; on the real control plane
+The reconciler's use of it, tick by tick, is in test_reconciler_hints.py; on the real control plane
 in test_preemption_cluster.py.
 """
 

@@ -1,7 +1,7 @@
 """The arithmetic of the interruption history and goodput (economics.py), without a cluster.
 
 The reconciler's use of it (an entry appended in the restart's own write, the restart time
-filled when the next attempt trains) is tested in test_reconciler.py.
+filled when the next attempt trains) is tested in test_reconciler_history.py.
 """
 
 from __future__ import annotations

@@ -254,8 +254,8 @@ def test_restricted_pod_security_still_holds() -> None:
 
 def test_the_operator_fails_a_bad_tier_before_creating_anything_naming_the_fix() -> None:
     # The backstop of the CRD's rules (an old CRD, a server without CEL): the reconciler over
-    # the fakes of test_reconciler.py, with fastSizeLimit missing.
-    from .test_reconciler import Harness
+    # the reconciler's fakes (baton_testing.reconciler_fakes), with fastSizeLimit missing.
+    from baton_testing.reconciler_fakes import Harness
 
     h = Harness()
     h.kube.job["spec"]["checkpoint"].update({"fastEverySteps": 1})
@@ -313,7 +313,7 @@ def test_the_peers_update_names_each_peers_node_and_keeps_copies_balanced() -> N
 
 
 def test_the_operator_sends_each_sidecar_its_peers_once_placed_and_again_only_on_change() -> None:
-    from .test_reconciler import Harness
+    from baton_testing.reconciler_fakes import Harness
 
     h = Harness()
     h.kube.job["spec"]["checkpoint"].update(TIER)

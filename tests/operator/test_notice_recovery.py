@@ -10,8 +10,8 @@ from typing import Any
 from baton_operator.pure import lifecycle, reports
 from baton_operator.pure.lifecycle import Phase
 from baton_operator.pure.reports import SidecarStatus
+from baton_testing.reconciler_fakes import Harness
 
-from .test_reconciler import Harness, _memory_tier, _restarted_in_place, _restored
 from .test_recovery import _views
 
 
@@ -90,7 +90,7 @@ def _commit_to_memory(h: Harness, node: str, step: int) -> None:
 
 def test_a_memory_commit_replaces_only_the_noticed_pod_then_records_the_promotion() -> None:
     h = Harness()
-    _memory_tier(h)
+    h.use_memory_tier()
     h.running()
     kept_uids = {r: h.kube.pods[h.pod(0, r)]["metadata"]["uid"] for r in (0, 2)}
     _commit_to_memory(h, "n1", 40)
@@ -114,8 +114,8 @@ def test_a_memory_commit_replaces_only_the_noticed_pod_then_records_the_promotio
     assert "Recovering" in reasons
 
     # The kept trainers exit 76 and restart in place; the replacement comes off n1.
-    _restarted_in_place(h, h.pod(0, 0), 1, last_exit=76)
-    _restarted_in_place(h, h.pod(0, 2), 1, last_exit=76)
+    h.restarted_in_place(h.pod(0, 0), 1, last_exit=76)
+    h.restarted_in_place(h.pod(0, 2), 1, last_exit=76)
     h.tick()
     assert h.kube.created.count(h.pod(0, 1)) == 2
     assert "n1" in str(h.kube.pods[h.pod(0, 1)]["spec"]["affinity"])
@@ -129,7 +129,7 @@ def test_a_memory_commit_replaces_only_the_noticed_pod_then_records_the_promotio
         )
     h.tick()
     assert h.kube.status.get("recovery"), "an old process's report ended the recovery"
-    _restored(h, ["10.0.0.1", "10.0.0.9", "10.0.0.3"], step=40, tier="memory")
+    h.restored(["10.0.0.1", "10.0.0.9", "10.0.0.3"], step=40, tier="memory")
     h.tick()
     status = h.kube.status
     assert "recovery" not in status
@@ -158,7 +158,7 @@ def test_a_memory_commit_replaces_only_the_noticed_pod_then_records_the_promotio
 
 def test_a_memory_commit_the_recovery_cannot_keep_waits_for_its_promotion() -> None:
     h = Harness()
-    _memory_tier(h)
+    h.use_memory_tier()
     h.running()
     # Rank 0 is noticed and the ranks reach it at its pod IP: today's path.
     _commit_to_memory(h, "n0", 40)

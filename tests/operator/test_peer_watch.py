@@ -11,9 +11,9 @@ import pytest
 from baton_operator.pure.errors import KubeError
 from baton_operator.pure.nodes import ClusterView, LeaseVerdict, NodeLease
 from baton_operator.pure.settings import OperatorConfig
+from baton_testing.reconciler_fakes import Harness
 
 from .test_cluster_view import node
-from .test_reconciler import Harness, _memory_tier, _restarted_in_place
 
 T0 = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 
@@ -125,7 +125,7 @@ def test_a_lease_is_read_at_most_every_half_tick_and_a_deleted_node_forgets() ->
 
 def _harness(**config: float) -> Harness:
     h = Harness(maxFailures=2, config=OperatorConfig(**config))
-    _memory_tier(h)
+    h.use_memory_tier()
     h.running()
     h.kube.leases = {n: NodeLease(f"{n}-t0", 8) for n in ("n0", "n1", "n2")}
     return h
@@ -152,8 +152,8 @@ def _events(h: Harness, reason: str) -> list[str]:
 def test_a_survivors_failure_suspects_the_other_nodes_and_an_unrenewed_lease_recovers() -> None:
     h = _harness()
     # Rank 1's node died: ranks 0 and 2 broke on the process group and restarted in place.
-    _restarted_in_place(h, h.pod(0, 0), 1)
-    _restarted_in_place(h, h.pod(0, 2), 1)
+    h.restarted_in_place(h.pod(0, 0), 1)
+    h.restarted_in_place(h.pod(0, 2), 1)
     h.tick()
     (suspected,) = _events(h, "NodeSuspected")
     assert suspected.startswith("node n1: pod ")
@@ -185,7 +185,7 @@ def test_one_survivors_failure_suspects_every_other_node() -> None:
     # Three ranks; only rank 0's restart is seen so far: it casts doubt on both other nodes
     # (rank 1's and rank 2's), each suspected once for it.
     h = _harness()
-    _restarted_in_place(h, h.pod(0, 0), 1)
+    h.restarted_in_place(h.pod(0, 0), 1)
     h.tick()
     h.tick()
     suspected = _events(h, "NodeSuspected")
@@ -269,8 +269,8 @@ def test_a_refused_lease_read_is_said_once_and_leaves_the_notready_path(
 ) -> None:
     h = _harness()
     h.kube.lease_error = KubeError.from_answer("leases is forbidden", status=403)
-    _restarted_in_place(h, h.pod(0, 0), 1)
-    _restarted_in_place(h, h.pod(0, 2), 1)
+    h.restarted_in_place(h.pod(0, 0), 1)
+    h.restarted_in_place(h.pod(0, 2), 1)
     with caplog.at_level(logging.WARNING, logger="baton_operator.suspecting"):
         h.tick()
         h.tick()

@@ -1,6 +1,6 @@
 """The pure parts of the memory tier's recovery: which pods it replaces, the trainer's restart
 rules, and in-place restarts read from the pod (the reconciler's side is in
-test_reconciler.py, the real thing in test_recovery_cluster.py)."""
+test_reconciler_memory_tier.py, the real thing in test_recovery_cluster.py)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from typing import Any
 
 from baton_operator.pure import manifests, watchcache
 from baton_operator.pure.watchcache import WatchCache
-
-from .test_reconciler import JOB, NS, REPLICAS, FakeKube, Harness
+from baton_testing.reconciler_fakes import JOB, NS, REPLICAS, FakeKube, Harness
 
 
 def pod(name: str, version: int | str, *, job: str = "tj", node: str | None = "n1") -> dict:
