@@ -106,7 +106,8 @@ class Checkpointer:
         every_seconds: float | None = None,
         keep_last: int | None = None,
         async_save: bool = False,
-        stage_in_background: bool = False,
+        stage_in_background: bool | None = None,
+        writer_process: bool | None = None,
         control_dir: str | None = None,
         handle_sigterm: bool = True,
         notice_every: int = 1,
@@ -134,6 +135,7 @@ class Checkpointer:
             keep_last=keep_last,
             async_save=async_save,
             stage_in_background=stage_in_background,
+            writer_process=writer_process,
             control_dir=control_dir,
             handle_sigterm=handle_sigterm,
             notice_every=notice_every,
@@ -172,7 +174,11 @@ class Checkpointer:
             )
         # Built by every rank in the same order: it creates the background save group.
         self._saver: AsyncSaver | None = (
-            AsyncSaver(timeout=self.config.timeout, normal_priority_below=NORMAL_PRIORITY_BYTES)
+            AsyncSaver(
+                timeout=self.config.timeout,
+                normal_priority_below=NORMAL_PRIORITY_BYTES,
+                writer_process=self.config.writer_process,
+            )
             if self.config.async_save
             else None
         )

@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         every_seconds=args.every_seconds,
         keep_last=args.keep_last,
         async_save=args.async_save,
-        stage_in_background=args.stage_in_background,
+        stage_in_background=args.stage_in_background or None,  # unset: the environment decides
         control_dir=_per_pod(args.control_dir, rank),
         **(
             {"fast_dir": _per_pod(args.fast_dir, rank), "fast_every_steps": args.fast_every_steps}

@@ -4,10 +4,12 @@ defaults; blank variables count as unset, and bad values name the variable or th
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
 
-from trainer_sdk.checkpointer import CheckpointerConfig
+from trainer_sdk.checkpointer import Checkpointer, CheckpointerConfig
 from trainer_sdk.errors import CheckpointError
 
 ENV = {
@@ -80,3 +82,40 @@ def test_stage_in_background_is_1_or_0_in_the_environment_and_an_argument_wins()
     assert not CheckpointerConfig.from_env(on, stage_in_background=False).stage_in_background
     with pytest.raises(CheckpointError, match=r"BATON_STAGE_IN_BACKGROUND=2: set it to 1 \(on\)"):
         CheckpointerConfig.from_env({"BATON_STAGE_IN_BACKGROUND": "2"})
+
+
+def test_writer_process_is_1_or_0_in_the_environment_and_an_argument_wins() -> None:
+    assert CheckpointerConfig.from_env({"BATON_WRITER_PROCESS": "1"}).writer_process
+    assert not CheckpointerConfig.from_env({}).writer_process
+    on = {"BATON_WRITER_PROCESS": "1"}
+    assert not CheckpointerConfig.from_env(on, writer_process=False).writer_process
+    with pytest.raises(CheckpointError, match=r"BATON_WRITER_PROCESS=yes"):
+        CheckpointerConfig.from_env({"BATON_WRITER_PROCESS": "yes"})
+    with pytest.raises(CheckpointError, match=r"BATON_WRITER_PROCESS=2: set it to 1 \(on\)"):
+        CheckpointerConfig.from_env({"BATON_WRITER_PROCESS": "2"})
+
+
+def test_a_checkpointer_built_without_the_flags_takes_them_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpointer(...) passed False for stage_in_background, which overrode
+    # $BATON_STAGE_IN_BACKGROUND=1 (the goodput bench's --stage-in-background ran without it).
+    monkeypatch.setenv("BATON_STAGE_IN_BACKGROUND", "1")
+    monkeypatch.setenv("BATON_WRITER_PROCESS", "1")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(uri=str(tmp_path), model=model, optimizer=opt, async_save=True)
+    try:
+        assert ckpt.config.stage_in_background
+        assert ckpt.config.writer_process
+    finally:
+        ckpt.close()
+    off = Checkpointer(
+        uri=str(tmp_path), model=model, optimizer=opt, async_save=True,
+        stage_in_background=False, writer_process=False,
+    )  # fmt: skip
+    try:
+        assert not off.config.stage_in_background
+        assert not off.config.writer_process
+    finally:
+        off.close()

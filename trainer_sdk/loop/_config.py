@@ -28,10 +28,15 @@ def env_number(name: str, kind: type[_N]) -> _N | None:
 
 
 def _env_value(env: Mapping[str, str], name: str, kind: type[_V]) -> _V | None:
-    """``env[name]`` parsed as ``kind`` (str, int or float); None when it is unset or blank."""
+    """``env[name]`` parsed as ``kind`` (str, int, float, or bool: 1 or 0); None when it is
+    unset or blank."""
     raw = env.get(name, "").strip()
     if not raw:
         return None
+    if kind is bool:
+        if raw not in ("0", "1"):
+            raise CheckpointError(f"${name}={raw}: set it to 1 (on) or 0 (off)")
+        return kind(raw == "1")
     try:
         return kind(raw)
     except ValueError as e:
@@ -50,7 +55,8 @@ ENV_VARS: Final[dict[str, tuple[str, type[Any]]]] = {
     "BATON_FAST_EVERY_STEPS": ("fast_every_steps", int),
     "BATON_FAST_DIR": ("fast_dir", str),
     "BATON_FULL_EVERY_STEPS": ("full_every_steps", int),
-    "BATON_STAGE_IN_BACKGROUND": ("stage_in_background", int),
+    "BATON_STAGE_IN_BACKGROUND": ("stage_in_background", bool),
+    "BATON_WRITER_PROCESS": ("writer_process", bool),
 }
 """Environment overrides of :class:`CheckpointerConfig` fields: variable -> (field, type)."""
 
@@ -81,6 +87,16 @@ class CheckpointerConfig:
     between ``step()`` and the next optimizer step would race the copy (version counters
     catch an in-place change and fail that save; a change through ``.data`` they cannot
     see)."""
+    writer_process: bool = False
+    """For background saves (``async_save``) of more than 16 MiB a rank to a local
+    filesystem: the shard file is streamed, hashed and made durable by a child process that
+    reads the staged copy from shared memory (memfds), not by a thread of the trainer; the
+    commit stays in the trainer. A writer thread takes the GIL back after each 512 KiB piece,
+    which cost a Python-bound training loop 2-5 % of the steps beside the write alone here
+    (``bench/writer_place.py``); in a whole save the effect was within the runs' spread
+    (docs/performance.md, "The writer process"). ``$BATON_WRITER_PROCESS``: 1 or 0. Off by
+    default; the staged copy then lives in memfds (not pinned: a GPU state's copies go through
+    pageable memory)."""
     control_dir: str | None = None
     """The sidecar's control directory; ``None``: no control channel."""
     handle_sigterm: bool = True
@@ -144,13 +160,6 @@ class CheckpointerConfig:
             if value is None or (name in ("uri", "control_dir", "fast_dir") and not value):
                 continue
             kwargs[name] = value
-        staged = kwargs.get("stage_in_background")
-        if staged is not None and not isinstance(staged, bool):  # from the environment
-            if staged not in (0, 1):
-                raise CheckpointError(
-                    f"$BATON_STAGE_IN_BACKGROUND={staged}: set it to 1 (on) or 0 (off)"
-                )
-            kwargs["stage_in_background"] = bool(staged)
         timeout = kwargs.get("timeout")
         if timeout is not None and not isinstance(timeout, timedelta):
             kwargs["timeout"] = timedelta(seconds=timeout)
