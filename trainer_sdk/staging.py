@@ -42,8 +42,10 @@ Invariants, and why:
   the nice. Here the writer thread takes the GIL back after each 512 KiB piece it hashes and
   writes: beside a compute-bound step that costs nothing measurable, beside a Python-bound
   one (a GPU trainer's launch thread) 2-5 % of the steps that run beside the write
-  (``bench/writer_place.py``; docs/performance.md, "The machine's floor"). A writer process
-  fed from the staged buffers would remove that; it is not built.
+  (``bench/writer_place.py``; docs/performance.md, "The machine's floor"). With
+  ``writer_process=True`` the buffers are memfds and a child process writes the shard
+  (:mod:`trainer_sdk.saveload._writer_process`; :meth:`AsyncSaver.shard_writer`); the commit
+  stays on the normal-priority thread here.
 * **Background failures are never lost.** The handle keeps the exception; the
   ``Checkpointer`` raises it at the next ``step()`` or ``close()``, and
   :meth:`AsyncSaveHandle.wait` raises it to direct callers.
@@ -63,7 +65,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -75,9 +77,13 @@ import torch.distributed as dist
 
 from trainer_sdk import api
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format._safetensors_io import PieceSource, ShardResult, shard_header, shard_result
 from trainer_sdk.saveload._collectives import backend_timeout, release_group
+from trainer_sdk.saveload._host_buffers import HostBuffers, mark_streams
+from trainer_sdk.saveload._saving import PublishRefusedError, ShardWriter
+from trainer_sdk.saveload._writer_process import WriterProcess
 from trainer_sdk.storage import Location, Storage, open_storage
-from trainer_sdk.storage.local import write_beside_training
+from trainer_sdk.storage.local import LocalStorage, write_beside_training
 from trainer_sdk.wire import Trigger
 
 __all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers", "async_save", "stage_and_commit"]
@@ -85,111 +91,6 @@ __all__ = ["AsyncSaveHandle", "AsyncSaver", "HostBuffers", "async_save", "stage_
 log = logging.getLogger("trainer_sdk.staging")
 
 T = TypeVar("T")
-
-
-class HostBuffers:
-    """One reusable host copy of a set of named tensors.
-
-    Buffers are keyed by name and (re)allocated only when a name is new or its shape or dtype
-    changed; in a training loop that happens on the first save only.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._streams: dict[torch.device, Any] = {}
-        self.allocations = 0
-        """How many buffers were ever allocated (tests check reuse with it)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers."""
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
-
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into the buffers; return the buffers, under the same names.
-
-        When this returns, every copy has completed: the sources may be modified at once.
-        """
-        pairs = self.reserve(tensors)
-        self.copy(list(pairs.values()))
-        return {name: dst for name, (dst, _) in pairs.items()}
-
-    def reserve(
-        self, tensors: Mapping[str, torch.Tensor]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The buffer of each of ``tensors`` (allocated if new or reshaped), nothing copied:
-        ``{name: (buffer, source)}``, for :meth:`copy`, now or on another thread."""
-        # Buffers of names that left the state would pin memory for nothing.
-        for gone in set(self._bufs) - set(tensors):
-            del self._bufs[gone]
-        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, src in tensors.items():
-            if not isinstance(src, torch.Tensor):
-                raise CheckpointError(
-                    f"staging {name!r}: expected a tensor, got {type(src).__name__}; "
-                    "only tensors are staged (JSON values are copied as they are)"
-                )
-            buf = self._bufs.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(
-                    src.shape, dtype=src.dtype, device="cpu", pin_memory=_can_pin(src)
-                )
-                self._bufs[name] = buf
-                self.allocations += 1
-            pairs[name] = (buf, src)
-        return pairs
-
-    def copy(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        after: Mapping[torch.device, Any] | None = None,
-    ) -> None:
-        """Copy each ``(buffer, source)`` pair; return when every copy is complete.
-
-        A device copy waits for the kernels queued on the device's current stream, or, from
-        another thread than the one that queued them, for the event in ``after`` that the
-        queuing thread recorded (:func:`mark_streams`)."""
-        self._copy(pairs, after or {})
-
-    def _copy(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        after: Mapping[torch.device, Any],
-    ) -> None:
-        events = []
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dst, src in pairs:
-            if src.device.type == "cuda":
-                by_device.setdefault(src.device, []).append((dst, src))
-            else:
-                host.append((dst, src))
-        for device, group in by_device.items():
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-                self._streams[device] = stream
-            # The side stream must see every kernel already queued on the training stream
-            # that writes these tensors; then the copies run as DMA into pinned memory.
-            mark = after.get(device)
-            if mark is not None:
-                stream.wait_event(mark)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for dst, src in group:
-                    dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-            events.append(event)
-        # Host-to-host copies overlap with the device copies above.
-        for dst, src in host:
-            dst.copy_(src)
-        # Wait for the DMA before returning: after this the caller may overwrite the sources
-        # (and the caching allocator may reuse their memory) without touching the copy.
-        for event in events:
-            event.synchronize()
 
 
 NORMAL_PRIORITY_BYTES: Final = 16 << 20
@@ -214,24 +115,6 @@ def _yield_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
     except OSError as e:
         log.info("the background checkpoint writer keeps normal CPU priority: %s", e)
-
-
-def _can_pin(src: torch.Tensor) -> bool:
-    return src.device.type == "cuda" and torch.cuda.is_available()
-
-
-def mark_streams(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
-    """An event recorded on the calling thread's current stream of each GPU that holds one of
-    ``tensors``: a copy on another thread waits for it, so it sees every kernel that this
-    thread queued before (the current stream is per thread where the training loop uses its
-    own streams)."""
-    marks: dict[torch.device, Any] = {}
-    for t in tensors:
-        if t.device.type == "cuda" and t.device not in marks:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(t.device))
-            marks[t.device] = event
-    return marks
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -316,9 +199,16 @@ class AsyncSaver:
     """
 
     def __init__(
-        self, *, timeout: timedelta = timedelta(minutes=10), normal_priority_below: int = 0
+        self,
+        *,
+        timeout: timedelta = timedelta(minutes=10),
+        normal_priority_below: int = 0,
+        writer_process: bool = False,
     ) -> None:
-        self.buffers = HostBuffers()
+        self.writer: WriterProcess | None = WriterProcess() if writer_process else None
+        """The writer process of the background writes to a local filesystem, if asked for
+        (:mod:`trainer_sdk.saveload._writer_process`); started by the first such save."""
+        self.buffers = HostBuffers(writer=self.writer)
         self.normal_priority_below = normal_priority_below
         """Saves of at most this many staged bytes run wholly at normal priority (0: none)."""
         self.group: Any | None = None
@@ -444,8 +334,46 @@ class AsyncSaver:
             self._stager.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._normal.shutdown(wait=True)
+            if self.writer is not None:
+                self.writer.close()
             group, self.group = self.group, None
             release_group(group)
+
+    def shard_writer(self, staged_bytes: int) -> ShardWriter | None:
+        """What writes the shard of a save of ``staged_bytes`` in the writer process, or None
+        for the writing thread: no writer process, or a save small enough for normal priority
+        (a few milliseconds of CPU; the round trip would cost more)."""
+        if self.writer is None or staged_bytes <= self.normal_priority_below:
+            return None
+        writer, buffers = self.writer, self.buffers
+
+        def write(
+            storage: Storage,
+            path: str,
+            sources: list[PieceSource],
+            *,
+            metadata: Mapping[str, str],
+            block_size: int,
+            guard_key: str,
+        ) -> ShardResult | None:
+            if type(storage) is not LocalStorage:
+                return None  # S3 and wrapped storages keep the thread
+            pieces = []
+            for src in sources:
+                buf_id = buffers.locate(src.tensor)
+                if buf_id is None:
+                    return None
+                pieces.append((src.name, buf_id, src.start, src.end - src.start))
+            header, rel = shard_header(sources, metadata)
+            sums, digest, hash_s, refused = writer.write_shard(
+                storage, path, header=header, pieces=pieces, block_size=block_size,
+                guard_key=guard_key,
+            )  # fmt: skip
+            if refused:
+                raise PublishRefusedError(path)
+            return shard_result(len(header), rel, sums, digest, hash_s)
+
+        return write
 
 
 def stage_and_commit(
@@ -483,6 +411,7 @@ def stage_and_commit(
             storage, plan, staged, tree, step=step, flat=flat, trigger=trigger,
             process_group=group, timeout=timeout, started=t0, attempt=attempt, extra=extra,
             run_commit=saver.at_normal_priority, references=references, on_manifest=on_manifest,
+            shard_writer=saver.shard_writer(plan.nbytes),
         )  # fmt: skip
         if on_commit is not None:
             on_commit(info, plan.nbytes)
@@ -495,34 +424,44 @@ def stage_and_commit(
 
 
 class _ProcessSaver:
-    """The one AsyncSaver of this process that :func:`async_save` uses: created by the first
-    call, then reused (its host buffers and its process group) by every later one."""
+    """The AsyncSavers of this process that :func:`async_save` uses, one per
+    ``writer_process`` setting: each created by the first call that asks for it, then reused
+    (its host buffers and its process group) by every later one. Only one save is in flight
+    across both: a call first waits for the other saver's save."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._saver: AsyncSaver | None = None
+        self._savers: dict[bool, AsyncSaver] = {}
 
-    def get(self, *, timeout: timedelta) -> AsyncSaver:
-        """The saver, created with ``timeout`` on the first call (and closed at exit)."""
+    def get(self, *, timeout: timedelta, writer_process: bool) -> AsyncSaver:
+        """The saver for ``writer_process``, created with ``timeout`` on its first call (and
+        closed at exit), once the other one has no save in flight."""
         with self._lock:
-            if self._saver is None:
-                self._saver = AsyncSaver(
-                    timeout=timeout, normal_priority_below=NORMAL_PRIORITY_BYTES
+            other = self._savers.get(not writer_process)
+            saver = self._savers.get(writer_process)
+            if saver is None:
+                if not self._savers:
+                    atexit.register(self._close_at_exit)
+                saver = AsyncSaver(
+                    timeout=timeout,
+                    normal_priority_below=NORMAL_PRIORITY_BYTES,
+                    writer_process=writer_process,
                 )
-                atexit.register(self._close_at_exit)
-            return self._saver
+                self._savers[writer_process] = saver
+        if other is not None:
+            other.wait_previous()
+        return saver
 
     def _close_at_exit(self) -> None:
-        """Drain the last save and destroy the saver's group while the interpreter is alive
-        (its failure, if any, was the caller's to see through the handle: logged here)."""
+        """Drain the last save and destroy the savers' groups while the interpreter is alive
+        (a failure was the caller's to see through the handle: logged here)."""
         with self._lock:
-            saver, self._saver = self._saver, None
-        if saver is None:
-            return
-        try:
-            saver.close()
-        except Exception as e:
-            log.warning("the last async_save failed: %s", e)
+            savers, self._savers = list(self._savers.values()), {}
+        for saver in savers:
+            try:
+                saver.close()
+            except Exception as e:
+                log.warning("the last async_save failed: %s", e)
 
 
 _PROCESS_SAVER: Final = _ProcessSaver()
@@ -536,6 +475,7 @@ def async_save(
     trigger: str = Trigger.MANUAL,
     timeout: float = 600.0,
     stage_in_background: bool = False,
+    writer_process: bool = False,
 ) -> AsyncSaveHandle[api.SaveInfo]:
     """Save ``state`` as ``step`` under ``uri`` in the background; returns once staged.
 
@@ -550,8 +490,14 @@ def async_save(
     ``handle.wait_staged()`` returns (put it before the optimizer step, as
     ``torch-checkpointing`` asks for its lock). A tensor changed in place before its copy is
     done fails the save (never a torn commit).
+
+    ``writer_process=True``: a save of more than 16 MiB to a local filesystem is written by a
+    child process from the staged copy in shared memory (``Checkpointer(writer_process=True)``,
+    docs/checkpointer.md). Calls with it and calls without it use two savers, each with its
+    own buffers and process group (created by the first call of each kind, on every rank at
+    the same call).
     """
-    saver = _PROCESS_SAVER.get(timeout=timedelta(seconds=timeout))
+    saver = _PROCESS_SAVER.get(timeout=timedelta(seconds=timeout), writer_process=writer_process)
     saver.wait_previous()
     rank, world = (
         (dist.get_rank(), dist.get_world_size())

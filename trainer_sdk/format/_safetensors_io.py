@@ -25,23 +25,26 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import torch
-from xxhash import xxh3_64, xxh3_64_intdigest, xxh3_128
 
 from trainer_sdk.errors import CheckpointError
+from trainer_sdk.format._shard_stream import HASH_PIECE, INLINE_BYTES, ShardHasher, stream_shard
 from trainer_sdk.storage.base import Writer
 
 __all__ = [
+    "HASH_PIECE",
+    "INLINE_BYTES",
     "ST_TO_TORCH",
     "TORCH_TO_ST",
     "PieceSource",
     "ShardResult",
     "byte_view",
+    "shard_header",
+    "shard_result",
     "st_dtype",
     "write_shard",
 ]
@@ -122,9 +125,10 @@ class ShardResult:
     """Seconds the writing thread spent hashing."""
 
 
-def _header(
+def shard_header(
     pieces: Sequence[PieceSource], metadata: Mapping[str, str]
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The file's header (length prefix, JSON, padding) and each piece's byte range in the data."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
@@ -136,72 +140,6 @@ def _header(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes; so do we
     return struct.pack("<Q", len(raw)) + raw, offsets
-
-
-INLINE_BYTES: Final = 256 * 1024
-"""Views of host memory up to this size are gathered and written together (one ``write`` call
-per INLINE_BYTES or so, not one per tensor): a state of many small tensors (a small model's
-memory-tier snapshot every step) would otherwise pay a system call per tensor."""
-
-HASH_PIECE: Final = 512 * 1024
-"""Bytes hashed and then written at a time. Small enough that the piece is still in the core's
-L2 cache (1-2 MiB on current x86 server cores) when ``write`` copies it out, so the bytes
-travel from memory once for both the hashes and the copy; large enough that the Python and
-system-call overhead per piece is noise (2048 pieces per GiB)."""
-
-
-class _Hasher:
-    """XXH3-128 of the whole stream and an XXH3-64 per block, computed in the writing thread.
-
-    Inline, not in background threads: on fast media (tmpfs, NVMe) a save is bound by the CPU,
-    and both hashes together cost about a sixth of the copy into the page cache (0.06 CPU s
-    per GiB for XXH3-128 from memory, 0.02 for XXH3-64 of the same piece in cache, against
-    0.47 for the copy), so a hand-off to another thread, and a second trip of every byte from
-    memory, would cost more than the overlap could win. The caller hashes a piece right before
-    writing it, while it is in cache. (Format v4 had a crc32 per block: ISA-L's runs at 0.085
-    s per GiB here even from cache, and cost a save to tmpfs 0.06 of its 0.6 s per GiB.)
-    """
-
-    __slots__ = ("_block", "_digest", "busy")
-
-    BLOCK_HASH: Final = "xxh3_64"
-    """The key of the block checksums it computes (layout.BLOCK_HASH_VERSIONS)."""
-
-    def __init__(self) -> None:
-        self._digest = xxh3_128()
-        self._block = xxh3_64()
-        self.busy = 0.0
-        """Seconds spent hashing."""
-
-    def update(self, view: memoryview | bytes) -> None:
-        """Add ``view`` to the file digest only (the header)."""
-        t0 = time.perf_counter()
-        self._digest.update(view)
-        self.busy += time.perf_counter() - t0
-
-    def block(self, view: memoryview | bytes) -> int:
-        """Add ``view``, a whole block, to the file digest; its block checksum."""
-        t0 = time.perf_counter()
-        self._digest.update(view)
-        out = xxh3_64_intdigest(view)
-        self.busy += time.perf_counter() - t0
-        return out
-
-    def block_part(self, view: memoryview | bytes, first: bool) -> None:
-        """Add ``view``, the next part of a block (``first``: its first), to both digests."""
-        t0 = time.perf_counter()
-        self._digest.update(view)
-        if first:
-            self._block.reset()
-        self._block.update(view)
-        self.busy += time.perf_counter() - t0
-
-    def block_sum(self) -> int:
-        """The checksum of the block whose parts went through :meth:`block_part`."""
-        return self._block.intdigest()
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
 
 
 class _PinnedBuffer:
@@ -244,49 +182,37 @@ def write_shard(
 
     Every piece's bytes are read straight from its tensor; nothing is serialised in advance.
     """
-    header, rel = _header(pieces, metadata)
-    data_start = len(header)
-    hasher = _Hasher()
+    header, rel = shard_header(pieces, metadata)
     pinned: _PinnedBuffer | None = None
     if any(p.tensor.device.type != "cpu" for p in pieces):
         pinned = _PinnedBuffer(block_size)
-    sums: dict[str, list[int]] = {}
-    hasher.update(header)
-    # Small views are gathered and written together; a larger one goes out in HASH_PIECE
-    # pieces, each written right after it is hashed. Everything in stream order.
-    gathered: list[memoryview | bytes] = [header]
-    gathered_bytes = len(header)
-    for p in pieces:
-        block_sums = sums.setdefault(p.name, [])
-        on_host = p.tensor.device.type == "cpu"  # a pinned-buffer view is reused: no gathering
-        for view in _chunks(p, block_size, pinned):
-            if on_host and len(view) <= INLINE_BYTES:
-                block_sums.append(hasher.block(view))
-                gathered.append(view)
-                gathered_bytes += len(view)
-                if gathered_bytes >= INLINE_BYTES:
-                    writer.write(b"".join(gathered))
-                    gathered, gathered_bytes = [], 0
-            else:
-                if gathered:
-                    writer.write(b"".join(gathered))
-                    gathered, gathered_bytes = [], 0
-                for off in range(0, len(view), HASH_PIECE):
-                    piece = view[off : off + HASH_PIECE]
-                    hasher.block_part(piece, first=off == 0)
-                    writer.write(piece)
-                block_sums.append(hasher.block_sum())
-    if gathered:
-        writer.write(b"".join(gathered))
-    size = data_start + sum(e - b for b, e in rel.values())
-    out = {
-        name: (data_start + b, data_start + e, tuple(sums[name])) for name, (b, e) in rel.items()
-    }
+    # a pinned-buffer view is reused by the next block: never gathered
+    sums, hasher = stream_shard(
+        writer,
+        header,
+        ((p.name, _chunks(p, block_size, pinned), p.tensor.device.type == "cpu") for p in pieces),
+    )
+    return shard_result(len(header), rel, sums, hasher.hexdigest(), hasher.busy)
+
+
+def shard_result(
+    data_start: int,
+    rel: Mapping[str, tuple[int, int]],
+    sums: Mapping[str, Sequence[int]],
+    xxh3_128_hex: str,
+    hash_seconds: float,
+) -> ShardResult:
+    """What a shard's writer reports, from its header's length, the pieces' ranges in the data
+    (:func:`shard_header`) and what :func:`~trainer_sdk.format._shard_stream.stream_shard`
+    computed (here, or in a writer process)."""
     return ShardResult(
-        size=size,
-        xxh3_128=hasher.hexdigest(),
+        size=data_start + sum(e - b for b, e in rel.values()),
+        xxh3_128=xxh3_128_hex,
         data_start=data_start,
-        pieces=out,
-        block_hash=hasher.BLOCK_HASH,
-        hash_seconds=hasher.busy,
+        pieces={
+            name: (data_start + b, data_start + e, tuple(sums[name]))
+            for name, (b, e) in rel.items()
+        },
+        block_hash=ShardHasher.BLOCK_HASH,
+        hash_seconds=hash_seconds,
     )

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,7 +44,13 @@ from trainer_sdk.saveload._committing import (
 from trainer_sdk.storage import Storage
 from trainer_sdk.wire import SavePhase
 
-__all__ = ["write_and_commit", "write_rank", "write_shard_file"]
+__all__ = [
+    "PublishRefusedError",
+    "ShardWriter",
+    "write_and_commit",
+    "write_rank",
+    "write_shard_file",
+]
 
 log = logging.getLogger("trainer_sdk.api")
 
@@ -62,6 +68,30 @@ def _json_default(v: Any) -> Any:
     raise TypeError(f"{type(v).__name__} is not JSON-serialisable")
 
 
+class PublishRefusedError(Exception):
+    """Raised by a :class:`ShardWriter` that wrote a file but did not publish it, because the
+    step's manifest (its ``guard_key``) existed by then: another writer committed the step."""
+
+
+class ShardWriter(Protocol):
+    """Writes and commits a shard file somewhere other than the calling thread (the writer
+    process of an async save, ``staging``), or declines (None) and the caller writes it."""
+
+    def __call__(
+        self,
+        storage: Storage,
+        path: str,
+        sources: list[PieceSource],
+        *,
+        metadata: Mapping[str, str],
+        block_size: int,
+        guard_key: str,
+    ) -> ShardResult | None:
+        """What was written; None: declined, nothing written. Raises :class:`PublishRefusedError`
+        if ``guard_key`` existed before the commit."""
+        ...
+
+
 def write_shard_file(
     storage: Storage,
     sources: list[PieceSource],
@@ -71,29 +101,37 @@ def write_shard_file(
     world: int,
     block_size: int = BLOCK_SIZE,
     metadata: Mapping[str, str] | None = None,
+    shard_writer: ShardWriter | None = None,
 ) -> tuple[str, ShardResult]:
     """Write and commit this rank's shard file of ``step`` from ``sources``; its name and
     what was written (sizes, digests, every piece's byte range and block checksums). Refuses to
     publish into a step that another writer committed meanwhile. ``metadata`` adds entries to
-    the safetensors header's ``__metadata__``. Used by :func:`write_rank` and by the DCP
-    backend (``integrations.dcp``), whose planner decides the pieces."""
+    the safetensors header's ``__metadata__``. ``shard_writer``, if given and it accepts, writes
+    the file instead of this thread. Used by :func:`write_rank` and by the DCP backend
+    (``integrations.dcp``), whose planner decides the pieces."""
     sname = shard_name(rank, world)
-    writer = storage.open_writer(
-        file_path(step, sname), size_hint=sum(s.end - s.start for s in sources)
-    )
+    path = file_path(step, sname)
+    meta = {
+        "format": "baton-checkpoint-v1",
+        "step": str(step),
+        "rank": str(rank),
+        "world_size": str(world),
+        **(metadata or {}),
+    }
+    if shard_writer is not None:
+        try:
+            done = shard_writer(
+                storage, path, sources, metadata=meta, block_size=block_size,
+                guard_key=_catalog.manifest_key(step),
+            )  # fmt: skip
+        except PublishRefusedError:
+            _refuse_if_committed(storage, step)
+            raise CheckpointError(f"{path} was not published: step {step} is committed") from None
+        if done is not None:
+            return sname, done
+    writer = storage.open_writer(path, size_hint=sum(s.end - s.start for s in sources))
     try:
-        res = write_shard(
-            writer,
-            sources,
-            metadata={
-                "format": "baton-checkpoint-v1",
-                "step": str(step),
-                "rank": str(rank),
-                "world_size": str(world),
-                **(metadata or {}),
-            },
-            block_size=block_size,
-        )
+        res = write_shard(writer, sources, metadata=meta, block_size=block_size)
         _refuse_if_committed(storage, step)  # never publish a file into a committed step
         writer.commit()
     except BaseException:
@@ -111,6 +149,7 @@ def write_rank(
     step: int,
     flat: FlatState | None = None,
     block_size: int = BLOCK_SIZE,
+    shard_writer: ShardWriter | None = None,
 ) -> RankRecord:
     """Phase 3: write and commit this rank's shard and JSON file.
 
@@ -133,7 +172,7 @@ def write_rank(
         )
     jname = json_name(rank, world)
     sname, res = write_shard_file(storage, sources, step=step, rank=rank, world=world,
-                                  block_size=block_size)  # fmt: skip
+                                  block_size=block_size, shard_writer=shard_writer)  # fmt: skip
     try:
         jdata = json.dumps(json_tree, allow_nan=False, default=_json_default).encode()
     except (TypeError, ValueError) as e:
@@ -206,6 +245,7 @@ def write_and_commit(
     run_commit: Callable[[Callable[[], Manifest]], Manifest] | None = None,
     references: References | None = None,
     on_manifest: Callable[[Manifest], None] | None = None,
+    shard_writer: ShardWriter | None = None,
 ) -> SaveInfo:
     """Phases 3 and 4 together, with the rules every saver needs (sync, async, Checkpointer).
 
@@ -218,12 +258,15 @@ def write_and_commit(
     save writes at background priority and commits at normal priority (``staging``).
     ``references`` go to the manifest (tensors not written, see :class:`References`);
     ``on_manifest(manifest)`` runs on every rank once the step is committed.
+    ``shard_writer`` writes the shard file elsewhere if it accepts (:class:`ShardWriter`).
     """
     phases = dict(phases or {})
     t = time.perf_counter()
     try:
         check_writable(storage, step, attempt)
-        record = write_rank(storage, plan, tensors, json_tree, step=step, flat=flat)
+        record = write_rank(
+            storage, plan, tensors, json_tree, step=step, flat=flat, shard_writer=shard_writer
+        )
     except Exception as exc:
         commit_failure(
             storage, exc, step=step, trigger=trigger, process_group=process_group,

@@ -278,6 +278,11 @@ class LocalStorage:
         return self._root
 
     @property
+    def spares(self) -> str | None:
+        """The spare files' directory under the root (the memory tier's tmpfs), or None."""
+        return self._spares
+
+    @property
     def uri(self) -> str:
         return f"file://{self._root}"
 
