@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,30 @@ def train_step(w: torch.Tensor, x: torch.Tensor) -> None:
     for _ in range(4):
         y = torch.tanh(y @ w)
     float(y.sum())
+
+
+def python_bound_step(w: torch.Tensor, x: torch.Tensor) -> None:
+    """A step of about 45 ms spent in thousands of small tensor operations: a Python-bound
+    loop that takes the GIL at every operation, as a GPU trainer's kernel-launch thread does
+    (``w`` and ``x`` are ignored; the operand is a 64-element vector)."""
+    y = _SMALL
+    for _ in range(_small_ops()):
+        y = (y * 1.0001 + 0.5).relu_()
+    float(y.sum())
+
+
+_SMALL = torch.randn(64)
+_SMALL_OPS: list[int] = []
+
+
+def _small_ops(target_s: float = 0.045) -> int:
+    """How many small operations take ``target_s`` on this machine (measured once)."""
+    if not _SMALL_OPS:
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            (_SMALL * 1.0001 + 0.5).relu_()
+        _SMALL_OPS.append(max(1, int(2000 * target_s / (time.perf_counter() - t0))))
+    return _SMALL_OPS[0]
 
 
 def step_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,9 @@ The contenders (each saves the same state object; any of them can be left out wi
   async_save=True, stage_in_background=True)``): the call returns at once, a staging thread
   copies, and each step ends with ``handle.wait_staged()`` where its optimizer step would go
   (as torch-checkpointing's lock).
+* ``baton-proc``: ``baton-bg`` with ``writer_process=True`` (``Checkpointer(writer_process=
+  True)``): the staged copy lives in memfds and a child process streams, hashes and fsyncs
+  the shard; the commit stays in the training process.
 * ``dcp-thread``: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter``,
   thread executor, its default stager (``FileSystemWriter`` itself, a fresh CPU copy per save).
 * ``dcp-process``: the same with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``
@@ -80,6 +83,11 @@ Usage::
 
     python bench/anchors.py [--gib 1.0] [--rounds 7] [--every 40] [--dir /work/bench-tmp]
                             [--shm-dir /dev/shm] [--skip NAME,...] [--quick] [--s3]
+                            [--python-bound]
+
+``--python-bound`` replaces the 4 matmuls by about 45 ms of small tensor operations
+(``_common.python_bound_step``): a loop that takes the GIL thousands of times a step, as a
+GPU trainer's kernel-launch thread does, where a writer thread's GIL hand-offs show.
 
 Not a test: timings are never assertions.
 """
@@ -106,9 +114,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import fsync_tree, loadavg, median, step_inputs, tensor_state, train_step
+from _common import (
+    fsync_tree,
+    loadavg,
+    median,
+    python_bound_step,
+    step_inputs,
+    tensor_state,
+    train_step,
+)
 
 REPO = Path(__file__).resolve().parent.parent
+STEP: list[Callable[[torch.Tensor, torch.Tensor], None]] = [train_step]
+"""The training step the cycles run (``--python-bound`` swaps in ``python_bound_step``)."""
 
 State = dict[str, dict[str, torch.Tensor]]
 
@@ -299,7 +317,7 @@ def run_cycle(
     for _ in range(every):
         flying = "durable" not in marks  # a step that starts with the save in flight counts
         s0 = time.perf_counter()
-        train_step(w, x)
+        STEP[0](w, x)
         with started.lock():  # where an optimizer step would update the state
             pass
         if flying:
@@ -312,7 +330,7 @@ def run_cycle(
     undisturbed = []
     for _ in range(every):
         s0 = time.perf_counter()
-        train_step(w, x)
+        STEP[0](w, x)
         undisturbed.append(time.perf_counter() - s0)
     # outside the timed part: the save round-trips, then it goes
     got = c.load_p0(state, path, step)
@@ -341,6 +359,27 @@ class BatonBackground(Baton):
         from trainer_sdk.staging import async_save
 
         handle = async_save(state, str(path), step=step, stage_in_background=True)
+
+        @contextmanager
+        def copied() -> Iterator[None]:
+            handle.wait_staged()
+            yield
+
+        return Started(wait=handle.wait, lock=copied)
+
+
+class BatonProcess(Baton):
+    """``baton-bg`` with its shard written by the writer process (``writer_process=True``):
+    the staged copy in memfds, a child process streaming, hashing and fsyncing the shard."""
+
+    name = "baton-proc"
+
+    def start(self, state: State, path: Path, step: int) -> Started:
+        from trainer_sdk.staging import async_save
+
+        handle = async_save(
+            state, str(path), step=step, stage_in_background=True, writer_process=True
+        )
 
         @contextmanager
         def copied() -> Iterator[None]:
@@ -430,6 +469,7 @@ def build(names: list[str]) -> list[Contender]:
     makers: dict[str, Callable[[], Contender]] = {
         "baton": Baton,
         "baton-bg": BatonBackground,
+        "baton-proc": BatonProcess,
         "dcp-thread": lambda: Dcp("dcp-thread", process=False, shm_stager=False),
         "dcp-process": lambda: Dcp("dcp-process", process=True, shm_stager=False),
         "dcp-process-shm": lambda: Dcp("dcp-process-shm", process=True, shm_stager=True),
@@ -439,11 +479,20 @@ def build(names: list[str]) -> list[Contender]:
     return [makers[n]() for n in names]
 
 
-BATON = ("baton", "baton-bg")
+BATON = ("baton", "baton-bg", "baton-proc")
 FLOOR = "floor"
 """Not an anchor: the machine's bound (``Floor``); its column's ratio to the best anchor says
 how far below an anchor any writer can get here."""
-ALL = ["baton", "baton-bg", "dcp-thread", "dcp-process", "dcp-process-shm", "torch-ckpt", FLOOR]
+ALL = [
+    "baton",
+    "baton-bg",
+    "baton-proc",
+    "dcp-thread",
+    "dcp-process",
+    "dcp-process-shm",
+    "torch-ckpt",
+    FLOOR,
+]
 
 
 def _init_group() -> None:
@@ -518,10 +567,17 @@ def main() -> None:
     ap.add_argument("--shm-dir", default="/dev/shm", help="a directory on tmpfs; '' skips it")
     ap.add_argument("--skip", default="", help=f"comma-separated, of: {','.join(ALL)}")
     ap.add_argument("--quick", action="store_true", help="0.05 GiB, 2 rounds, 10 steps a save")
+    ap.add_argument(
+        "--python-bound",
+        action="store_true",
+        help="a step of thousands of small ops (GIL-bound, as a GPU launch thread) for the matmuls",
+    )
     ap.add_argument("--s3", action="store_true", help="then run bench/dcp_backend.py (S3 rows)")
     args = ap.parse_args()
     if args.quick:
         args.gib, args.rounds, args.every = 0.05, 2, 10
+    if args.python_bound:
+        STEP[0] = python_bound_step
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -540,7 +596,7 @@ def main() -> None:
     state: State = {"model": tensor_state(int(args.gib * (1 << 30)), args.tensors)}
     w, x = step_inputs()
     for _ in range(5):
-        train_step(w, x)
+        STEP[0](w, x)
     contenders = build(names)
     daemon_log = Path(tempfile.gettempdir()) / "baton-anchors-dcp-daemon.log"
     for c in contenders:
@@ -577,7 +633,8 @@ def main() -> None:
     print()
     print(
         f"{args.gib:g} GiB in {args.tensors} float32 tensors; a save every {args.every} steps; "
-        f"{args.rounds} saves each per medium, interleaved; medians"
+        f"{args.rounds} saves each per medium, interleaved; medians; "
+        f"step: {'python-bound' if args.python_bound else 'matmuls'}"
     )
     print(f"load average (1 5 15 min): start {loads[0]}, during {', '.join(loads[1:])}, ", end="")
     print(f"end {loadavg()}")
