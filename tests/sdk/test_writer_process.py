@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +25,8 @@ from baton_testing.dist import run_ranks
 import trainer_sdk
 from trainer_sdk import api
 from trainer_sdk.errors import CheckpointError
-from trainer_sdk.staging import AsyncSaver, stage_and_commit
+from trainer_sdk.saveload import _writer_process
+from trainer_sdk.staging import AsyncSaveHandle, AsyncSaver, stage_and_commit
 from trainer_sdk.storage import open_storage
 
 MIB = 1 << 20
@@ -111,24 +115,41 @@ def test_a_reshaped_tensor_gets_a_new_shared_buffer_and_the_child_maps_it(tmp_pa
     assert _equal(into, state)
 
 
+def _held_save(
+    saver: AsyncSaver, state: dict[str, object], uri: str, step: int, mp: pytest.MonkeyPatch
+) -> tuple[AsyncSaveHandle[trainer_sdk.SaveInfo], int]:
+    """Stop the writer process (SIGSTOP), start a save of ``step`` and return once its write
+    request is in the child's socket, unread: the handle and the child's pid."""
+    assert saver.writer is not None
+    child = saver.writer.pid
+    assert child is not None
+    os.kill(child, signal.SIGSTOP)
+    sent = threading.Event()
+    real = _writer_process._send
+
+    def send(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
+        real(sock, obj, fds)
+        if obj.get("op") == "write":
+            sent.set()
+
+    mp.setattr(_writer_process, "_send", send)
+    flat = api.flatten(state)
+    plan = api.plan_save(flat, 0, 1)
+    handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=step, trigger="manual")
+    assert sent.wait(timeout=60), "the save never sent its write request"
+    assert not handle.done()
+    return handle, child
+
+
 def test_a_writer_killed_mid_save_fails_that_save_and_the_next_one_starts_a_new_child(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     uri = str(tmp_path)
     state = _state(3)
     saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
     try:
         _save(saver, state, uri, 1)
-        assert saver.writer is not None
-        first = saver.writer.pid
-        assert first is not None
-        os.kill(first, signal.SIGSTOP)  # holds the child before it reads the next request
-        flat = api.flatten(state)
-        handle = stage_and_commit(
-            saver, flat, api.plan_save(flat, 0, 1), open_storage(uri), step=2, trigger="manual"
-        )
-        time.sleep(0.5)  # the request is in the socket; the worker waits for the answer
-        assert not handle.done()
+        handle, first = _held_save(saver, state, uri, 2, monkeypatch)
         os.kill(first, signal.SIGKILL)
         with pytest.raises(CheckpointError, match=r"writer process exited \(code -9\).*previous"):
             saver.wait_previous()  # the saver's own wait: raised there once, then forgotten
@@ -136,6 +157,7 @@ def test_a_writer_killed_mid_save_fails_that_save_and_the_next_one_starts_a_new_
         assert trainer_sdk.latest_step(uri) == 1
         state["scalar"] = torch.tensor(33)
         _save(saver, state, uri, 3)
+        assert saver.writer is not None
         assert saver.writer.pid not in (None, first)
     finally:
         saver.close()
@@ -145,22 +167,14 @@ def test_a_writer_killed_mid_save_fails_that_save_and_the_next_one_starts_a_new_
 
 
 def test_a_step_committed_by_another_writer_during_the_write_is_not_published(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     uri = str(tmp_path)
     state = _state(4)
     saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
     try:
         _save(saver, state, uri, 1)
-        assert saver.writer is not None
-        child = saver.writer.pid
-        assert child is not None
-        os.kill(child, signal.SIGSTOP)
-        flat = api.flatten(state)
-        handle = stage_and_commit(
-            saver, flat, api.plan_save(flat, 0, 1), open_storage(uri), step=2, trigger="manual"
-        )
-        time.sleep(0.5)
+        handle, child = _held_save(saver, state, uri, 2, monkeypatch)
         # another trainer on the same uri commits step 2 while this child is held
         other = tmp_path / "step-000000000002"
         other.mkdir(exist_ok=True)
