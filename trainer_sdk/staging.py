@@ -360,10 +360,11 @@ class AsyncSaver:
                 return None  # S3 and wrapped storages keep the thread
             pieces = []
             for src in sources:
-                buf_id = buffers.locate(src.tensor)
-                if buf_id is None:
+                where = buffers.locate(src.tensor)
+                if where is None:
                     return None
-                pieces.append((src.name, buf_id, src.start, src.end - src.start))
+                arena, base = where
+                pieces.append((src.name, arena, base + src.start, src.end - src.start))
             header, rel = shard_header(sources, metadata)
             sums, digest, hash_s, refused = writer.write_shard(
                 storage, path, header=header, pieces=pieces, block_size=block_size,

@@ -86,6 +86,7 @@ def test_the_child_writes_the_bytes_the_thread_writes_and_they_load_back(tmp_pat
         _save(proc, state, str(tmp_path / "proc"), 3)
         assert proc.writer is not None
         assert proc.writer.pid is not None  # the child wrote it
+        assert proc.writer.descriptors == 1  # one memfd for all 9 buffers, not one each
         assert _shard(tmp_path / "proc", 3) == _shard(tmp_path / "thread", 3)
         # the buffers are reused by the next save, through the same mappings
         state["model"]["w0"].add_(1.0)  # type: ignore[index]
@@ -108,6 +109,8 @@ def test_a_reshaped_tensor_gets_a_new_shared_buffer_and_the_child_maps_it(tmp_pa
         del state["ids"]
         _save(saver, state, str(tmp_path), 2)
         assert saver.buffers.allocations == 10
+        assert saver.writer is not None
+        assert saver.writer.descriptors == 2  # the first arena is still in use, and the new one
     finally:
         saver.close()
     into = _zeros_like(state)
@@ -291,3 +294,19 @@ def test_a_trainer_killed_takes_its_writer_process_with_it(tmp_path: Path) -> No
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "the writer process outlived its trainer"
+
+
+def test_an_arena_whose_buffers_all_left_the_state_is_released(tmp_path: Path) -> None:
+    saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
+    try:
+        first = {"a": torch.randn(5 << 20)}
+        _save(saver, first, str(tmp_path), 1)
+        second = {"b": torch.randn(5 << 20)}
+        _save(saver, second, str(tmp_path), 2)
+        assert saver.writer is not None
+        assert saver.writer.descriptors == 1  # a's arena went when a left the state
+    finally:
+        saver.close()
+    into = {"b": torch.zeros(5 << 20)}
+    trainer_sdk.load(into, str(tmp_path), step=2)
+    assert torch.equal(into["b"], second["b"])

@@ -36,11 +36,15 @@ class HostBuffers:
         self.allocations = 0
         """How many buffers were ever allocated (tests check reuse with it)."""
         self.writer = writer
-        """With a writer process, every buffer is a memfd that it maps too (:meth:`locate`)."""
-        self._ids: dict[str, int] = {}
-        """Name -> buffer id of the buffers in shared memory."""
-        self._by_ptr: dict[int, int] = {}
-        """A shared buffer's data pointer -> its id."""
+        """With a writer process, the buffers live in memfds that it maps too (:meth:`locate`):
+        one memfd (an *arena*) for all the buffers one :meth:`reserve` call allocates, so the
+        first save of a model of thousands of tensors holds one descriptor, not thousands."""
+        self._where: dict[str, tuple[int, int]] = {}
+        """Name -> (arena id, byte offset) of the buffers in shared memory."""
+        self._by_ptr: dict[int, tuple[int, int]] = {}
+        """A shared buffer's data pointer -> (arena id, byte offset)."""
+        self._live: dict[int, int] = {}
+        """Arena id -> how many of its buffers are in use; at 0 the writer forgets it."""
         self._next_id = 0
 
     @property
@@ -66,6 +70,7 @@ class HostBuffers:
         for gone in set(self._bufs) - set(tensors):
             self._free(gone)
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        new: list[tuple[str, torch.Tensor]] = []
         for name, src in tensors.items():
             if not isinstance(src, torch.Tensor):
                 raise CheckpointError(
@@ -76,47 +81,72 @@ class HostBuffers:
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 self._free(name)
                 if self.writer is not None:
-                    buf = self._shared(name, src)
-                else:
-                    buf = torch.empty(
-                        src.shape, dtype=src.dtype, device="cpu", pin_memory=_can_pin(src)
-                    )
+                    new.append((name, src))
+                    continue
+                buf = torch.empty(
+                    src.shape, dtype=src.dtype, device="cpu", pin_memory=_can_pin(src)
+                )
                 self._bufs[name] = buf
                 self.allocations += 1
             pairs[name] = (buf, src)
+        if new:
+            for name, buf in self._shared(new).items():
+                self._bufs[name] = buf
+                self.allocations += 1
+            pairs = {name: (self._bufs[name], src) for name, src in tensors.items()}
         return pairs
 
-    def _shared(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        """A buffer for ``src`` in a new memfd, registered with the writer process. (Not
-        pinned: a GPU state's copies then go through pageable memory.)"""
+    _ALIGN = 64
+    """Each buffer in an arena starts on a cache line."""
+
+    def _shared(self, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Buffers for ``tensors`` in one new memfd, registered with the writer process.
+        (Not pinned: a GPU state's copies then go through pageable memory.)"""
         assert self.writer is not None
-        nbytes = src.numel() * src.element_size()
-        size = max(nbytes, 1)  # a mapping cannot be empty
-        fd = os.memfd_create(f"baton-stage-{name[:40]}", os.MFD_CLOEXEC)
+        offsets: list[int] = []
+        size = 0
+        for _, src in tensors:
+            offsets.append(size)
+            # at least one line each, so that no two buffers share a first byte (:meth:`locate`)
+            size += max(1, -(-src.numel() * src.element_size() // self._ALIGN)) * self._ALIGN
+        fd = os.memfd_create("baton-stage", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            area = mmap.mmap(fd, size)
+            arena = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
         except BaseException:
             os.close(fd)
             raise
-        buf = torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(src.dtype).view(src.shape)
-        buf_id, self._next_id = self._next_id, self._next_id + 1
-        self.writer.add_buffer(buf_id, fd, size)
-        self._ids[name] = buf_id
-        self._by_ptr[buf.data_ptr()] = buf_id
-        return buf
+        arena_id, self._next_id = self._next_id, self._next_id + 1
+        self.writer.add_buffer(arena_id, fd, size)
+        self._live[arena_id] = len(tensors)
+        out: dict[str, torch.Tensor] = {}
+        for (name, src), off in zip(tensors, offsets, strict=True):
+            nbytes = src.numel() * src.element_size()
+            buf = arena[off : off + nbytes].view(src.dtype).view(src.shape)
+            self._where[name] = (arena_id, off)
+            self._by_ptr[buf.data_ptr()] = (arena_id, off)
+            out[name] = buf
+        return out
 
     def _free(self, name: str) -> None:
+        """Drop ``name``'s buffer; the writer forgets its arena once no buffer in it is used
+        (the memory goes with the last tensor viewing it)."""
         buf = self._bufs.pop(name, None)
-        buf_id = self._ids.pop(name, None)
-        if buf is not None and buf_id is not None:
-            self._by_ptr.pop(buf.data_ptr(), None)
+        where = self._where.pop(name, None)
+        if buf is None or where is None:
+            return
+        if self._by_ptr.get(buf.data_ptr()) == where:
+            del self._by_ptr[buf.data_ptr()]
+        arena_id = where[0]
+        self._live[arena_id] -= 1
+        if self._live[arena_id] == 0:
+            del self._live[arena_id]
             assert self.writer is not None
-            self.writer.drop_buffer(buf_id)
+            self.writer.drop_buffer(arena_id)
 
-    def locate(self, t: torch.Tensor) -> int | None:
-        """The writer process's id of the shared buffer ``t`` is (the whole buffer, from its
-        first byte), or None if ``t`` is not one."""
+    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """Where the shared buffer ``t`` is (the whole buffer, from its first byte): the writer
+        process's id of its arena and its byte offset there; None if ``t`` is not one."""
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
         return self._by_ptr.get(t.data_ptr())

@@ -105,6 +105,11 @@ class WriterProcess:
         """The child's pid while it runs (tests kill it to produce a writer's death)."""
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def descriptors(self) -> int:
+        """How many memfds this object holds open (one per arena of staging buffers)."""
+        return len(self._fds)
+
     def add_buffer(self, buf_id: int, fd: int, size: int) -> None:
         """Register a staging buffer (a memfd of ``size`` bytes); the child maps it before its
         next write. The descriptor is this object's from now on."""
