@@ -90,6 +90,11 @@ Usage::
 GPU trainer's kernel-launch thread does, where a writer thread's GIL hand-offs show.
 
 Not a test: timings are never assertions.
+
+Why one module of this size: each contender's few lines of start, load-back and close sit
+beside the one cycle that times them all and the table that compares them, so that a change
+to how one contender is timed or counted is read against the others in the same file; the
+floor's writer process is a separate, torch-free script (``bench/_floor_writer.py``).
 """
 
 from __future__ import annotations
