@@ -12,6 +12,10 @@ This module is their whole contract, so that both sides read the same names:
 * ``LOCAL_RANK`` 0 of the pod asks with ``<op>-request.json`` (``op`` is ``replicate``: copy
   the snapshot of ``step`` to the peers; or ``fill``: fetch from peers the files of the newest
   snapshot that the pod lacks) and waits, bounded, for ``<op>-answer.json`` with the same id;
+* the sidecar listens on ``replication.bell``, a FIFO in the control directory, and the SDK
+  writes a byte to it after each request, so a request is taken at once without the sidecar
+  looking for one many times a second beside the training steps (it still looks every second
+  or so, for an SDK that could not ring);
 * the sidecar keeps the replicas it holds for other pods under ``<fast_dir>/replicas/``, one
   directory per *source*: the set of ranks whose files a snapshot holds (``w4-r2.3`` is ranks
   2 and 3 of a world of 4), never a pod name, so that a replacement pod finds its ranks' data.
@@ -26,6 +30,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -35,6 +40,7 @@ from typing import Any, Final
 __all__ = [
     "ADVERT_FILE",
     "ADVERT_FRESH_SECONDS",
+    "BELL_FILE",
     "FILL",
     "OPS",
     "REPLICATE",
@@ -46,6 +52,7 @@ __all__ = [
     "parse_source",
     "read_request",
     "request_path",
+    "ring_bell",
     "source_key",
     "write_answer",
     "write_json_atomic",
@@ -55,6 +62,9 @@ ADVERT_FILE: Final = "replication.json"
 """In the control directory: present and fresh while the pod's sidecar replicates."""
 ADVERT_FRESH_SECONDS: Final = 10.0
 """An advert older than this is a sidecar that is gone (it renews the file every second)."""
+BELL_FILE: Final = "replication.bell"
+"""In the control directory: a FIFO the sidecar reads; a byte written to it means "a request
+is waiting" (its content means nothing)."""
 REPLICATE: Final = "replicate"
 FILL: Final = "fill"
 OPS: Final = (REPLICATE, FILL)
@@ -90,6 +100,30 @@ def request_path(control_dir: str | os.PathLike[str], op: str) -> Path:
 
 def answer_path(control_dir: str | os.PathLike[str], op: str) -> Path:
     return Path(control_dir) / f"{op}-answer.json"
+
+
+def ring_bell(control_dir: str | os.PathLike[str]) -> bool:
+    """Wake the sidecar for a request just written; False when no sidecar listens.
+
+    Never blocks and never raises: a missing FIFO, one nobody reads (``ENXIO``), a full one
+    (``EAGAIN``: the sidecar has bells it has not read yet, so it will look anyway) and a
+    path that is not a FIFO (left untouched) all mean the sidecar finds the request at its
+    next look instead.
+    """
+    try:
+        flags = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(Path(control_dir) / BELL_FILE, flags)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        os.write(fd, b"\n")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -198,6 +232,7 @@ class SidecarLink:
         with contextlib.suppress(FileNotFoundError):
             answer_path(self.control_dir, op).unlink()
         write_json_atomic(request_path(self.control_dir, op), {"id": rid, "op": op, "step": step})
+        ring_bell(self.control_dir)
         deadline = time.monotonic() + timeout
         pause = 0.002
         while True:

@@ -166,9 +166,10 @@ class SidecarConfig:
     (a push goes out with sendfile(2), no buffer of its own)."""
     replication_timeout: float = 60.0
     """Seconds a peer may stay silent during one replication request before it fails."""
-    replication_poll_interval: float = 0.02
-    """Seconds between looks (one ``stat`` each) for the SDK's replication requests: a
-    snapshot's copy waits for at most this before it starts."""
+    replication_poll_interval: float = 1.0
+    """Seconds between looks (one ``stat`` per op) for the SDK's replication requests when no
+    bell rings: the SDK rings ``replication.bell`` after each request, so this bounds only a
+    request whose bell was lost (or a control directory that cannot hold a FIFO)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -277,6 +278,7 @@ def parse_config(
         failure_domain=env.get("BATON_FAILURE_DOMAIN", ""),
         replication_chunk_bytes=_env_number(env, "BATON_REPLICATION_CHUNK_BYTES", 1 << 20),
         replication_timeout=_env_number(env, "BATON_REPLICATION_TIMEOUT", 60.0),
+        replication_poll_interval=_env_number(env, "BATON_REPLICATION_POLL_INTERVAL", 1.0),
     )
 
 

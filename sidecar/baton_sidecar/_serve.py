@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 from datetime import datetime
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +20,15 @@ from baton_sidecar._core import Sidecar
 from baton_sidecar._errors import ConfigError
 from baton_sidecar._replication import Replicator
 from baton_sidecar._server import TokenFile, create_app
-from trainer_sdk.replication import FILL, OPS, Answer, read_request, request_path, write_answer
+from trainer_sdk.replication import (
+    BELL_FILE,
+    FILL,
+    OPS,
+    Answer,
+    read_request,
+    request_path,
+    write_answer,
+)
 
 __all__ = ["serve"]
 
@@ -107,31 +117,101 @@ async def _advertise(replicator: Replicator) -> None:
 
 
 async def _serve_requests(config: SidecarConfig, replicator: Replicator) -> None:
-    """Take the SDK's replication requests (one ``stat`` per op and poll) and answer each."""
-    while True:
-        for op in OPS:
-            if not request_path(config.control_dir, op).exists():
-                continue
-            req = read_request(config.control_dir, op)
-            if req is None:
-                continue
-            try:
-                if op == FILL:
-                    answer = await asyncio.to_thread(replicator.fill)
-                elif req.step is None:
-                    answer = Answer(id=req.id, ok=False, error="a replicate request needs a step")
-                else:
-                    answer = await asyncio.to_thread(replicator.replicate, req.step)
-            except Exception as e:  # answered, never left unanswered
-                log.exception("the %s request failed", op)
-                answer = Answer(
-                    id=req.id, ok=False, step=req.step, error=f"{type(e).__name__}: {e}"
-                )
-            try:
-                write_answer(config.control_dir, op, dataclasses.replace(answer, id=req.id))
-            except OSError as e:
-                log.error("cannot answer the %s request in %s: %s", op, config.control_dir, e)
-        await asyncio.sleep(config.replication_poll_interval)
+    """Take the SDK's replication requests and answer each.
+
+    The SDK rings the bell (a FIFO, ``trainer_sdk.replication.BELL_FILE``) after writing a
+    request; between bells the sidecar looks once every ``replication_poll_interval``. A look
+    costs a ``stat`` per op, but 50 looks a second in each pod took about 2 % of a core from
+    the training steps beside them, and the bell costs nothing while nothing happens.
+    """
+    bell = _Bell(config.control_dir, config.replication_poll_interval)
+    try:
+        while True:
+            bell.clear()  # before looking: a bell during the look means look again
+            for op in OPS:
+                await _answer_request(config, replicator, op)
+            await bell.wait(config.replication_poll_interval)
+    finally:
+        bell.close()
+
+
+async def _answer_request(config: SidecarConfig, replicator: Replicator, op: str) -> None:
+    if not request_path(config.control_dir, op).exists():
+        return
+    req = read_request(config.control_dir, op)
+    if req is None:
+        return
+    try:
+        if op == FILL:
+            answer = await asyncio.to_thread(replicator.fill)
+        elif req.step is None:
+            answer = Answer(id=req.id, ok=False, error="a replicate request needs a step")
+        else:
+            answer = await asyncio.to_thread(replicator.replicate, req.step)
+    except Exception as e:  # answered, never left unanswered
+        log.exception("the %s request failed", op)
+        answer = Answer(id=req.id, ok=False, step=req.step, error=f"{type(e).__name__}: {e}")
+    try:
+        write_answer(config.control_dir, op, dataclasses.replace(answer, id=req.id))
+    except OSError as e:
+        log.error("cannot answer the %s request in %s: %s", op, config.control_dir, e)
+
+
+class _Bell:
+    """The read end of the control directory's FIFO, as an event the loop can wait on.
+
+    The sidecar holds a write end too, so that the read end never reports end-of-file (and
+    wakes the loop for nothing) between the SDK's bells. Without a FIFO (a filesystem that
+    cannot hold one) it only times out: the sidecar then looks once per wait.
+    """
+
+    def __init__(self, control_dir: Path, poll: float) -> None:
+        self.path = control_dir / BELL_FILE
+        self._rung = asyncio.Event()
+        self._fds: list[int] = []
+        self._loop = asyncio.get_running_loop()
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()  # a previous sidecar's, or anything else in the way
+            os.mkfifo(self.path, 0o600)
+            # The trainer may run as another user (contracts.md); a bell rung by anyone else
+            # in the pod only makes the sidecar look at its request files.
+            os.chmod(self.path, 0o622)  # noqa: S103
+            self._fds.append(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            self._fds.append(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError as e:
+            self.close()
+            log.warning(
+                "cannot make the replication bell %s (%s): looking for requests every %ss",
+                self.path,
+                e.strerror,
+                poll,
+            )
+            return
+        self._loop.add_reader(self._fds[0], self._drain)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._fds[0], 4096):
+                pass
+        self._rung.set()
+
+    def clear(self) -> None:
+        self._rung.clear()
+
+    async def wait(self, timeout: float) -> None:
+        """Until a bell or ``timeout`` seconds, whichever comes first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._rung.wait(), timeout)
+
+    def close(self) -> None:
+        if self._fds:
+            self._loop.remove_reader(self._fds[0])
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
 
 async def _linger(config: SidecarConfig, sidecar: Sidecar, loop: asyncio.AbstractEventLoop) -> None:

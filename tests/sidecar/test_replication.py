@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,7 @@ import torch
 from baton_testing.sidecar_process import TOKEN, SidecarProcess, wait_for
 
 import trainer_sdk
-from trainer_sdk.replication import FILL, REPLICATE, SidecarLink
+from trainer_sdk.replication import BELL_FILE, FILL, REPLICATE, SidecarLink, ring_bell
 
 SOURCE = "w1-r0"
 
@@ -152,6 +153,49 @@ def test_a_snapshot_is_replicated_verified_and_only_the_newest_is_kept(
     [item] = r.json()["holdings"]
     assert (item["source"], item["step"]) == (SOURCE, 4)
     assert set(item["files"]) == set(item["digests"])
+
+
+def test_requests_are_taken_on_the_bell_with_the_poll_an_hour_away(
+    pods: Callable[..., list[SidecarProcess]],
+) -> None:
+    """The SDK rings ``replication.bell`` after each request; the sidecar's looks between
+    bells are set an hour apart here, so only the bell can get the requests answered."""
+    a, b = pods(2, BATON_REPLICATION_POLL_INTERVAL="3600")
+    link = SidecarLink(a.control_dir)
+    wait_for(link.available, what="the sidecar's replication advert")
+    bell = a.control_dir / BELL_FILE
+    assert stat.S_ISFIFO(bell.stat().st_mode)
+    assert stat.S_IMODE(bell.stat().st_mode) == 0o622  # the trainer may be another user
+    for step in (3, 4, 5):
+        _snapshot(_fast(a), step)
+        answer = link.call(REPLICATE, step=step, timeout=60)
+        assert answer.ok, answer
+        assert answer.step == step
+    assert sorted(os.listdir(_fast(b) / "replicas" / SOURCE)) == [_step(5)]
+    assert _replication(a)["last_replicated_step"] == 5
+    assert a.stop() == 0
+    assert not bell.exists()
+    assert not ring_bell(a.control_dir)
+
+
+def test_ring_bell_wakes_only_a_listening_fifo(tmp_path: Path) -> None:
+    """No FIFO, a FIFO nobody reads, or a regular file in its place: False, nothing written,
+    nothing blocks. A FIFO with a reader gets a byte."""
+    assert not ring_bell(tmp_path)
+    bell = tmp_path / BELL_FILE
+    bell.write_bytes(b"keep")
+    assert not ring_bell(tmp_path)
+    assert bell.read_bytes() == b"keep"
+    bell.unlink()
+    os.mkfifo(bell)
+    assert not ring_bell(tmp_path)  # ENXIO: no reader
+    reader = os.open(bell, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert ring_bell(tmp_path)
+        assert ring_bell(tmp_path)
+        assert os.read(reader, 16) == b"\n\n"
+    finally:
+        os.close(reader)
 
 
 def test_a_replica_overwrites_the_files_of_the_one_before_last_and_arrives_whole(
