@@ -91,8 +91,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     colors = {"no-interruptions": "0.5", "checkpoint-restart": "tab:red",
               "baton-durable": "tab:blue", "baton-memory": "tab:green"}  # fmt: skip
+    others = iter(("tab:olive", "tab:purple", "tab:brown", "tab:cyan"))
     for r in rows:
-        color = colors.get(r["method"], "k")
+        color = colors.get(r["method"]) or next(others, "k")  # e.g. "baton-memory, every 25"
         xs = [t / 60 for t, _ in r["curve"]]
         ys = [s for _, s in r["curve"]]
         ax.plot(xs, ys, ".", markersize=2, color=color, label=r["method"])

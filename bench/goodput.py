@@ -453,9 +453,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-_SAME_JOB: Final = ("steps", "every_steps", "fast_every_steps", "d_model", "n_layers",
-                    "batch_size", "step_sleep", "seed", "mtbi", "mix")  # fmt: skip
-"""The arguments that make two runs' rows comparable (the job and the schedule's model)."""
+_SAME_JOB: Final = ("steps", "every_steps", "d_model", "n_layers", "batch_size",
+                    "step_sleep", "seed", "mtbi", "mix")  # fmt: skip
+"""The arguments that make two runs' rows comparable (the job and the schedule's model).
+``fast_every_steps`` is not one: it is baton-memory's setting, and memory-tier runs of
+several intervals go in one table, each labelled with its interval."""
 
 
 def merge_runs(runs: list[dict[str, Any]], paths: list[Path]) -> dict[str, Any]:
@@ -472,8 +474,15 @@ def merge_runs(runs: list[dict[str, Any]], paths: list[Path]) -> dict[str, Any]:
                 f"--render: {path} was run with other {', '.join(differ)} than {paths[0]}; "
                 "only runs of the same job on the same schedule (--schedule FILE) go in one table"
             )
-    by_method = {r["method"]: r for data in runs for r in data["rows"]}
-    rows = [by_method[m] for m in METHODS if m in by_method]
+    memory = {data["args"]["fast_every_steps"] for data in runs
+              if any(r["method"] == "baton-memory" for r in data["rows"])}  # fmt: skip
+    by_label: dict[tuple[int, int], dict[str, Any]] = {}
+    for data in runs:
+        for r in data["rows"]:
+            every = int(data["args"]["fast_every_steps"]) if r["method"] == "baton-memory" else 0
+            label = f"baton-memory, every {every}" if every and len(memory) > 1 else r["method"]
+            by_label[METHODS.index(r["method"]), every] = {**r, "method": label}
+    rows = [by_label[k] for k in sorted(by_label)]
     add_goodput(rows, int(first["args"]["steps"]))
     return {**first, "rows": rows, "seconds": sum(float(d["seconds"]) for d in runs),
             "merged_from": [str(p) for p in paths]}  # fmt: skip

@@ -36,8 +36,10 @@ def _row(method: str, wall: float, sha: str, kinds: list[str]) -> dict[str, Any]
     }  # fmt: skip
 
 
-def _run_file(path: Path, rows: list[dict[str, Any]], interruptions: list[Any]) -> Path:
-    data = {"args": ARGS, "schedule": {"model": {}, "interruptions": interruptions},
+def _run_file(
+    path: Path, rows: list[dict[str, Any]], interruptions: list[Any], **args: str
+) -> Path:
+    data = {"args": ARGS | args, "schedule": {"model": {}, "interruptions": interruptions},
             "rows": rows, "seconds": 100.0}  # fmt: skip
     path.write_text(json.dumps(data))
     return path
@@ -86,6 +88,30 @@ def test_runs_of_another_schedule_are_refused(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "was run with other schedule than" in result.stderr, result.stderr[-2000:]
     assert "--schedule FILE" in result.stderr
+
+
+def test_memory_tier_runs_of_several_intervals_share_one_table(tmp_path: Path) -> None:
+    # fastEverySteps is the memory tier's setting, not the job's: runs at 10 and 25 go in one
+    # table beside the uninterrupted run (made with another value), each labelled.
+    clean = _run_file(
+        tmp_path / "a.json", [_row("no-interruptions", 55.0, "s1", [])], [KILL],
+        fast_every_steps="10",
+    )  # fmt: skip
+    every = {n: _run_file(tmp_path / f"m{n}.json", [_row("baton-memory", wall, "s1", ["kill"])],
+                          [KILL], fast_every_steps=str(n))
+             for n, wall in ((25, 58.0), (10, 60.5))}  # fmt: skip
+    result = _render(tmp_path / "out", every[25], clean, every[10])
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = json.loads((tmp_path / "out" / "goodput.json").read_text())
+    methods = [r["method"] for r in merged["rows"]]
+    assert methods == ["no-interruptions", "baton-memory, every 10", "baton-memory, every 25"]
+    table = (tmp_path / "out" / "goodput.md").read_text()
+    assert "| baton-memory, every 25 | 1 (kill) | 58 s | 1.05x |" in table, table
+    assert "| baton-memory, every 10 | 1 (kill) | 60 s | 1.10x |" in table, table
+    # one memory-tier run keeps its plain name
+    result = _render(tmp_path / "one", clean, every[25])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| baton-memory | 1 (kill) | 58 s |" in (tmp_path / "one" / "goodput.md").read_text()
 
 
 def test_the_restarts_seconds_are_split_into_the_trainers_start_up_phases(tmp_path: Path) -> None:
