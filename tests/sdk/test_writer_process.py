@@ -169,6 +169,40 @@ def test_a_writer_killed_mid_save_fails_that_save_and_the_next_one_starts_a_new_
     assert _equal(into, state)
 
 
+def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_starts_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = str(tmp_path)
+    state = _state(4)
+    saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
+    try:
+        _save(saver, state, uri, 1)
+        assert saver.writer is not None
+        os.kill(saver.writer.pid or 0, signal.SIGKILL)  # so that step 2 must start a child
+        missing = str(tmp_path / "no-such-python")
+        monkeypatch.setattr(sys, "executable", missing)
+        flat = api.flatten(state)
+        plan = api.plan_save(flat, 0, 1)
+        handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=2, trigger="manual")
+        with pytest.raises(CheckpointError) as failed:
+            saver.wait_previous()  # raised there once, then forgotten
+        assert handle.done()
+        message = str(failed.value)
+        assert f"could not start the checkpoint writer process ({missing} -m" in message
+        assert "previous checkpoint stands" in message
+        assert "writer_process=False" in message
+        assert trainer_sdk.latest_step(uri) == 1
+        monkeypatch.undo()
+        state["scalar"] = torch.tensor(44)
+        _save(saver, state, uri, 3)
+        assert saver.writer.pid is not None
+    finally:
+        saver.close()
+    into = _zeros_like(state)
+    trainer_sdk.load(into, uri, step=3)
+    assert _equal(into, state)
+
+
 def test_a_step_committed_by_another_writer_during_the_write_is_not_published(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -117,7 +117,7 @@ class HostBuffers:
             os.close(fd)
             raise
         arena_id, self._next_id = self._next_id, self._next_id + 1
-        self.writer.add_buffer(arena_id, fd, size)
+        self.writer.add_arena(arena_id, fd, size)
         self._live[arena_id] = len(tensors)
         out: dict[str, torch.Tensor] = {}
         for (name, src), off in zip(tensors, offsets, strict=True):
@@ -142,7 +142,7 @@ class HostBuffers:
         if self._live[arena_id] == 0:
             del self._live[arena_id]
             assert self.writer is not None
-            self.writer.drop_buffer(arena_id)
+            self.writer.drop_arena(arena_id)
 
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
         """Where the shared buffer ``t`` is (the whole buffer, from its first byte): the writer

@@ -96,9 +96,9 @@ class WriterProcess:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._fds: dict[int, tuple[int, int]] = {}
-        """Buffer id -> (memfd, size): kept open so that a new child can map them again."""
+        """Arena id -> (memfd, size): kept open so that a new child can map them again."""
         self._sent: set[int] = set()
-        """Buffer ids the current child has mapped."""
+        """Arena ids the current child has mapped."""
 
     @property
     def pid(self) -> int | None:
@@ -110,22 +110,23 @@ class WriterProcess:
         """How many memfds this object holds open (one per arena of staging buffers)."""
         return len(self._fds)
 
-    def add_buffer(self, buf_id: int, fd: int, size: int) -> None:
-        """Register a staging buffer (a memfd of ``size`` bytes); the child maps it before its
-        next write. The descriptor is this object's from now on."""
+    def add_arena(self, arena_id: int, fd: int, size: int) -> None:
+        """Register an arena of staging buffers (a memfd of ``size`` bytes); the child maps it
+        before its next write. The descriptor is this object's from now on."""
         with self._lock:
-            self._fds[buf_id] = (fd, size)
+            self._fds[arena_id] = (fd, size)
 
-    def drop_buffer(self, buf_id: int) -> None:
-        """Forget a buffer that was freed (reallocated for a new shape, or left the state)."""
+    def drop_arena(self, arena_id: int) -> None:
+        """Forget an arena none of whose buffers is used any more (reallocated for a new shape,
+        or left the state)."""
         with self._lock:
-            entry = self._fds.pop(buf_id, None)
+            entry = self._fds.pop(arena_id, None)
             if entry is not None:
                 os.close(entry[0])
-            if buf_id in self._sent and self._sock is not None:
-                self._sent.discard(buf_id)
+            if arena_id in self._sent and self._sock is not None:
+                self._sent.discard(arena_id)
                 try:
-                    _send(self._sock, {"op": "unmap", "id": buf_id})
+                    _send(self._sock, {"op": "unmap", "id": arena_id})
                 except OSError:
                     self._stop()
 
@@ -188,17 +189,22 @@ class WriterProcess:
                      str(theirs.fileno())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 )  # fmt: skip
-            except OSError:
+            except OSError as e:
                 ours.close()
-                raise
+                raise CheckpointError(
+                    f"could not start the checkpoint writer process ({sys.executable} -m "
+                    f"trainer_sdk.saveload._writer_process): {e}; this save is abandoned and "
+                    "the previous checkpoint stands. Fix the cause, or write from a thread "
+                    "(writer_process=False, BATON_WRITER_PROCESS=0)"
+                ) from e
             finally:
                 theirs.close()
             self._sock = ours
             self._sent = set()
-        for buf_id, (fd, size) in self._fds.items():
-            if buf_id not in self._sent:
-                _send(self._sock, {"op": "map", "id": buf_id, "size": size}, [fd])
-                self._sent.add(buf_id)
+        for arena_id, (fd, size) in self._fds.items():
+            if arena_id not in self._sent:
+                _send(self._sock, {"op": "map", "id": arena_id, "size": size}, [fd])
+                self._sent.add(arena_id)
         return self._sock
 
     def _stop(self) -> int | None:
@@ -237,7 +243,8 @@ def _write(maps: dict[int, mmap.mmap], req: dict[str, Any]) -> dict[str, Any]:
     storage = LocalStorage(req["root"], spares=req["spares"])
     header = base64.b64decode(req["header"])
     views = [
-        (name, memoryview(maps[buf_id])[off : off + n]) for name, buf_id, off, n in req["pieces"]
+        (name, memoryview(maps[arena_id])[off : off + n])
+        for name, arena_id, off, n in req["pieces"]
     ]
     size = len(header) + sum(len(v) for _, v in views)
     writer = storage.open_writer(req["path"], size_hint=size)
