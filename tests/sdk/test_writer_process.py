@@ -174,13 +174,15 @@ def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_st
 ) -> None:
     uri = str(tmp_path)
     state = _state(4)
+    thread = AsyncSaver(normal_priority_below=16 * MIB)
+    try:
+        _save(thread, state, uri, 1)  # the previous checkpoint, written from a thread
+    finally:
+        thread.close()
     saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
     try:
-        _save(saver, state, uri, 1)
-        assert saver.writer is not None
-        os.kill(saver.writer.pid or 0, signal.SIGKILL)  # so that step 2 must start a child
         missing = str(tmp_path / "no-such-python")
-        monkeypatch.setattr(sys, "executable", missing)
+        monkeypatch.setattr(sys, "executable", missing)  # the first save starts the child
         flat = api.flatten(state)
         plan = api.plan_save(flat, 0, 1)
         handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=2, trigger="manual")
@@ -195,6 +197,7 @@ def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_st
         monkeypatch.undo()
         state["scalar"] = torch.tensor(44)
         _save(saver, state, uri, 3)
+        assert saver.writer is not None
         assert saver.writer.pid is not None
     finally:
         saver.close()
