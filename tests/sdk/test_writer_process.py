@@ -65,11 +65,24 @@ def _equal(a: object, b: object) -> bool:
     return bool(a == b)
 
 
-def _save(saver: AsyncSaver, state: dict[str, object], uri: str, step: int) -> trainer_sdk.SaveInfo:
+def _submit(
+    saver: AsyncSaver, state: dict[str, object], uri: str, step: int
+) -> AsyncSaveHandle[trainer_sdk.SaveInfo]:
+    """Start an async save of ``state`` as rank 0 of 1; the handle, not waited for."""
     flat = api.flatten(state)
     plan = api.plan_save(flat, 0, 1)
-    handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=step, trigger="manual")
-    return handle.wait(timeout=120)
+    return stage_and_commit(saver, flat, plan, open_storage(uri), step=step, trigger="manual")
+
+
+def _save(saver: AsyncSaver, state: dict[str, object], uri: str, step: int) -> trainer_sdk.SaveInfo:
+    return _submit(saver, state, uri, step).wait(timeout=120)
+
+
+def _assert_loads(uri: str, step: int, state: dict[str, object]) -> None:
+    """Step ``step`` under ``uri`` loads back into zeros as exactly ``state``."""
+    into = _zeros_like(state)
+    trainer_sdk.load(into, uri, step=step)
+    assert _equal(into, state)
 
 
 def _shard(root: Path, step: int) -> bytes:
@@ -95,9 +108,7 @@ def test_the_child_writes_the_bytes_the_thread_writes_and_they_load_back(tmp_pat
     finally:
         thread.close()
         proc.close()
-    into = _zeros_like(state)
-    trainer_sdk.load(into, str(tmp_path / "proc"), step=4)
-    assert _equal(into, state)
+    _assert_loads(str(tmp_path / "proc"), 4, state)
 
 
 def test_a_reshaped_tensor_gets_a_new_shared_buffer_and_the_child_maps_it(tmp_path: Path) -> None:
@@ -113,9 +124,7 @@ def test_a_reshaped_tensor_gets_a_new_shared_buffer_and_the_child_maps_it(tmp_pa
         assert saver.writer.descriptors == 2  # the first arena is still in use, and the new one
     finally:
         saver.close()
-    into = _zeros_like(state)
-    trainer_sdk.load(into, str(tmp_path), step=2)
-    assert _equal(into, state)
+    _assert_loads(str(tmp_path), 2, state)
 
 
 def _held_save(
@@ -136,9 +145,7 @@ def _held_save(
             sent.set()
 
     mp.setattr(_writer_process, "_send", send)
-    flat = api.flatten(state)
-    plan = api.plan_save(flat, 0, 1)
-    handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=step, trigger="manual")
+    handle = _submit(saver, state, uri, step)
     assert sent.wait(timeout=60), "the save never sent its write request"
     assert not handle.done()
     return handle, child
@@ -164,9 +171,7 @@ def test_a_writer_killed_mid_save_fails_that_save_and_the_next_one_starts_a_new_
         assert saver.writer.pid not in (None, first)
     finally:
         saver.close()
-    into = _zeros_like(state)
-    trainer_sdk.load(into, uri, step=3)
-    assert _equal(into, state)
+    _assert_loads(uri, 3, state)
 
 
 def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_starts_one(
@@ -183,9 +188,7 @@ def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_st
     try:
         missing = str(tmp_path / "no-such-python")
         monkeypatch.setattr(sys, "executable", missing)  # the first save starts the child
-        flat = api.flatten(state)
-        plan = api.plan_save(flat, 0, 1)
-        handle = stage_and_commit(saver, flat, plan, open_storage(uri), step=2, trigger="manual")
+        handle = _submit(saver, state, uri, 2)
         with pytest.raises(CheckpointError) as failed:
             saver.wait_previous()  # raised there once, then forgotten
         assert handle.done()
@@ -201,9 +204,7 @@ def test_a_writer_that_cannot_start_fails_that_save_with_the_fix_and_the_next_st
         assert saver.writer.pid is not None
     finally:
         saver.close()
-    into = _zeros_like(state)
-    trainer_sdk.load(into, uri, step=3)
-    assert _equal(into, state)
+    _assert_loads(uri, 3, state)
 
 
 def test_a_step_committed_by_another_writer_during_the_write_is_not_published(
