@@ -3,8 +3,8 @@
 
 :func:`stream_shard` takes the file's header and, per piece, its bytes one checksum block at
 a time; it computes the file's XXH3-128 digest and an XXH3-64 per block in the writing thread,
-hashing each piece right before writing it (``_safetensors_io`` says why these hashes, and why
-inline). Small views are gathered and written together; a larger one goes out in
+hashing each piece right before writing it (:class:`ShardHasher` says why these hashes, and
+why inline). Small views are gathered and written together; a larger one goes out in
 :data:`HASH_PIECE` pieces, each written right after it is hashed. Everything in stream order.
 """
 

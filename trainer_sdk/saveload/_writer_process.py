@@ -9,10 +9,11 @@ same write from a process (``bench/writer_place.py``, the write alone). In a who
 so it is an option (``Checkpointer(writer_process=True)``), off by default. DCP's process
 executor and torch-checkpointing write from a process too.
 
-How: the staging buffers (``_host_buffers.HostBuffers`` given this writer) are memfds, mapped
-by both processes; each is sent to the child once, by file descriptor over a Unix socket
-(``SCM_RIGHTS``), when it is allocated. A write request names the storage root, the file, the
-header bytes and each piece as (buffer, offset, length); the child streams exactly what
+How: the staging buffers (``_host_buffers.HostBuffers`` given this writer) live in memfds
+(*arenas*: one per save that allocates), mapped by both processes; each arena is sent to the
+child once, by file descriptor over a Unix socket (``SCM_RIGHTS``), when it is allocated. A
+write request names the storage root, the file, the header bytes and each piece as (arena,
+offset, length); the child streams exactly what
 :func:`~trainer_sdk.format._safetensors_io.write_shard` would (both call
 :func:`~trainer_sdk.format._shard_stream.stream_shard`), refuses to publish into a step whose
 manifest exists, commits the file (fsync, rename, fsync of the directory) and answers with the
@@ -141,7 +142,7 @@ class WriterProcess:
         guard_key: str,
     ) -> tuple[dict[str, list[int]], str, float, bool]:
         """Write and commit ``path`` under ``storage`` in the child: ``header``, then each
-        piece ``(name, buffer id, offset, length)``. Returns the block checksums per piece, the
+        piece ``(name, arena id, offset, length)``. Returns the block checksums per piece, the
         file's XXH3-128 hex digest, the child's hashing seconds, and whether it refused because
         ``guard_key`` (the step's manifest) existed before the commit (nothing published)."""
         with self._lock:
@@ -178,7 +179,7 @@ class WriterProcess:
         return reply["sums"], reply["digest"], reply["hash_seconds"], reply["refused"]
 
     def _ensure(self) -> socket.socket:
-        """The socket to a running child that has mapped every buffer (started if needed)."""
+        """The socket to a running child that has mapped every arena (started if needed)."""
         if self._proc is not None and self._proc.poll() is not None:
             self._stop()
         if self._sock is None:
@@ -223,7 +224,7 @@ class WriterProcess:
             return proc.wait()
 
     def close(self) -> None:
-        """Stop the child and close every buffer's descriptor (the mappings stay valid)."""
+        """Stop the child and close every arena's descriptor (the mappings stay valid)."""
         with self._lock:
             self._stop()
             for fd, _ in self._fds.values():
