@@ -334,6 +334,57 @@ def test_a_trainer_killed_takes_its_writer_process_with_it(tmp_path: Path) -> No
     assert not _alive(child), "the writer process outlived its trainer"
 
 
+_SIGNALLED = """
+import signal, sys, torch
+from trainer_sdk import api
+from trainer_sdk.staging import AsyncSaver, stage_and_commit
+from trainer_sdk.storage import open_storage
+signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM", flush=True))  # the trainer's handler
+saver = AsyncSaver(normal_priority_below=16 << 20, writer_process=True)
+state = {"w": torch.randn(6 << 20)}
+def save(step):
+    flat = api.flatten(state)
+    plan = api.plan_save(flat, 0, 1)
+    stage_and_commit(
+        saver, flat, plan, open_storage(sys.argv[1]), step=step, trigger="manual"
+    ).wait(timeout=120)
+    print(saver.writer.pid, flush=True)
+save(1)
+sys.stdin.readline()  # the test signals this process's group, then writes a line
+save(2)  # what a SIGTERM's save does next
+saver.close()
+"""
+
+
+def test_a_sigterm_to_the_trainers_process_group_leaves_its_writer_process_alone(
+    tmp_path: Path,
+) -> None:
+    """torchrun's agent stops a worker with ``killpg(SIGTERM)``, and a terminal's Ctrl-C goes to
+    its whole foreground group. The worker's handler then saves: through the same writer
+    process, which the signal must not have ended (it was in the worker's group once, and a
+    save being written when the signal came failed with it)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _SIGNALLED, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            first = int(proc.stdout.readline())
+            os.killpg(proc.pid, signal.SIGTERM)  # the trainer's group, as torchrun sends it
+            assert proc.stdout.readline().strip() == "SIGTERM"
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            second = proc.stdout.readline().strip()
+            code = proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert code == 0
+    assert second == str(first), "the writer process died with the signal to its trainer's group"
+    assert trainer_sdk.list_steps(str(tmp_path)) == [1, 2]
+
+
 def test_an_arena_whose_buffers_all_left_the_state_is_released(tmp_path: Path) -> None:
     saver = AsyncSaver(normal_priority_below=16 * MIB, writer_process=True)
     try:

@@ -20,7 +20,10 @@ manifest exists, commits the file (fsync, rename, fsync of the directory) and an
 block checksums, the digest and its hashing seconds. Everything else of the save, the JSON file
 and the commit (the records' all-gather, the manifest, ``latest``), stays in the training
 process at normal priority. The child runs at ``nice`` +10, imports no torch, and exits when
-the socket closes (the trainer exited or closed its saver).
+the socket closes (the trainer exited or closed its saver), or is killed with the thread that
+started it (``PR_SET_PDEATHSIG``). It runs in a session of its own, so that the signals a
+launcher sends to the trainer's process group (torchrun stops a worker with ``killpg``) leave
+the write that the trainer's own SIGTERM save may be waiting for alone.
 
 Messages are JSON, each with a 4-byte length in front; no pickle. If the child dies, the save
 it was writing fails with a :class:`~trainer_sdk.errors.CheckpointError` that says so (the
@@ -185,10 +188,16 @@ class WriterProcess:
         if self._sock is None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
+                # A session of its own: a signal sent to the trainer's process group
+                # (torchrun's agent stops each worker with killpg(SIGTERM), a terminal's
+                # Ctrl-C reaches its foreground group) would end the writer too, in the
+                # middle of the write that the trainer's SIGTERM save waits for. The child
+                # ends with its trainer (PR_SET_PDEATHSIG, the socket's end) instead.
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "trainer_sdk.saveload._writer_process",
                      str(theirs.fileno())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )  # fmt: skip
             except OSError as e:
                 ours.close()
