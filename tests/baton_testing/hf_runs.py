@@ -10,20 +10,17 @@ rates) and ``log_history.json`` at the end.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from baton_testing import torchrun
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = torchrun.REPO
 SCRIPT = REPO / "tests" / "integrations" / "hf_train.py"
 SFT_SCRIPT = REPO / "tests" / "integrations" / "sft_train.py"
 """A TRL SFTTrainer fine-tune through ``baton_trainer`` (same hooks and outputs as SCRIPT)."""
@@ -38,51 +35,27 @@ def start(
 ) -> subprocess.Popen[bytes]:
     """torchrun with ``nproc`` local workers of ``script``, checkpointing to ``out/ckpt``."""
     out.mkdir(parents=True, exist_ok=True)
-    full_env = {
-        **os.environ,
-        **OFFLINE_ENV,
-        "HF_TEST_OUT": str(out),
-        "PYTHONPATH": str(REPO),
-        "BATON_CHECKPOINT_URI": str(out / "ckpt"),
-        **env,
-    }
-    with (out / "torchrun.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={nproc}", "--max-restarts=0", str(script)],
-            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    full_env = (
+        torchrun.clean_env()
+        | OFFLINE_ENV
+        | {"HF_TEST_OUT": str(out), "BATON_CHECKPOINT_URI": str(out / "ckpt")}
+        | env
+    )
+    return torchrun.launch(
+        [str(script)], log=out / "torchrun.log", nproc=nproc, env=full_env, cwd=out
+    )
 
 
 def kill_job(proc: subprocess.Popen[bytes], out: Path) -> None:
-    """SIGKILL torchrun and its workers (each in a session of its own, so killed by pid)."""
+    """SIGKILL torchrun and its workers, found under it and by the pids they wrote."""
     pids = [int(p.read_text()) for p in out.glob("pid-*")]
-    for pgid in [proc.pid, *pids]:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    for pid in pids:  # the workers are torchrun's children: gone once torchrun is reaped
-        deadline = time.monotonic() + 60
-        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
-            assert time.monotonic() < deadline, f"worker {pid} survived SIGKILL"
-            time.sleep(0.1)
+    torchrun.kill(proc, also=pids)
     for p in out.glob("pid-*"):
         p.unlink()
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return "Z"
-
-
 def finish(proc: subprocess.Popen[bytes], out: Path) -> int:
-    try:
-        return proc.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_job(proc, out)
-        pytest.fail(f"torchrun ran past {RUN_TIMEOUT_S}s:\n{tail(out)}")
+    return torchrun.finish(proc, out / "torchrun.log", timeout=RUN_TIMEOUT_S)
 
 
 def run_until_hang(out: Path, step: int, *, nproc: int = 2, **env: str) -> None:
@@ -103,7 +76,7 @@ def run_until_hang(out: Path, step: int, *, nproc: int = 2, **env: str) -> None:
 
 
 def tail(out: Path) -> str:
-    return (out / "torchrun.log").read_text(errors="replace")[-6000:]
+    return torchrun.tail(out / "torchrun.log")
 
 
 def run(out: Path, *, nproc: int = 2, script: Path = SCRIPT, **env: str) -> int:

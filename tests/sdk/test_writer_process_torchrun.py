@@ -12,18 +12,17 @@ exits 0 only when every worker exited 0) bitwise equal to a run never interrupte
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+from baton_testing import torchrun
 from baton_testing.trainer import read_loss_log
 
 from trainer_sdk.control import ControlChannel
@@ -33,7 +32,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 NPROC = 3
 STEPS = 10
 HOLD_AT = 4
-REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 300.0
 # 1,000,000 hidden units: about 40 MiB of weights and 80 MiB of AdamW moments, so that each
 # worker's part of a save is above the 16 MiB below which saves skip the writer process.
@@ -42,72 +40,34 @@ TRAINER_ARGS = ["--steps", str(STEPS), "--every-steps", "3", "--async-save", "--
 
 
 def _start(out: Path, *extra: str, **env: str) -> subprocess.Popen[bytes]:
-    out.mkdir(parents=True, exist_ok=True)
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        clean.pop(k, None)
-    clean |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}", **env}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={NPROC}", "--max-restarts=0", "--shutdown-timeout=120",
+    target = [
         "-m", "baton_testing.trainer", *TRAINER_ARGS, "--uri", str(out / "ckpt"),
         "--loss-log", str(out / "loss.log"), "--result", str(out / "result.json"), *extra,
     ]  # fmt: skip
-    with (out / "torchrun.log").open("ab") as log:
-        return subprocess.Popen(
-            cmd, env=clean, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    return torchrun.launch(
+        target, log=out / "torchrun.log", nproc=NPROC, env=torchrun.clean_env(**env),
+        shutdown_timeout=120,
+    )  # fmt: skip
 
 
 def _tail(out: Path) -> str:
-    return (out / "torchrun.log").read_text(errors="replace")[-6000:]
+    return torchrun.tail(out / "torchrun.log")
 
 
 def _finish(proc: subprocess.Popen[bytes], out: Path) -> int:
-    try:
-        return proc.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        pytest.fail(f"torchrun ran past {RUN_TIMEOUT_S:g}s:\n{_tail(out)}")
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL torchrun, its workers (each in a session of its own) and their writers."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-@contextlib.contextmanager
-def _killed_at_end(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
+    return torchrun.finish(proc, out / "torchrun.log", timeout=RUN_TIMEOUT_S)
 
 
 def _wait_for(
     what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], out: Path
 ) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not ready():
-        if proc.poll() is not None:
-            pytest.fail(f"torchrun exited ({proc.returncode}) before {what}:\n{_tail(out)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} in {RUN_TIMEOUT_S:g}s:\n{_tail(out)}")
-        time.sleep(0.1)
+    torchrun.wait_until(what, ready, proc, out / "torchrun.log", timeout=RUN_TIMEOUT_S)
 
 
-def _writers(torchrun: int) -> dict[int, psutil.Process]:
+def _writers(launcher: int) -> dict[int, psutil.Process]:
     """Each worker's pid -> its writer process (the workers are torchrun's children)."""
     found: dict[int, psutil.Process] = {}
-    for worker in psutil.Process(torchrun).children():
+    for worker in psutil.Process(launcher).children():
         for child in worker.children():
             if "trainer_sdk.saveload._writer_process" in " ".join(child.cmdline()):
                 found[worker.pid] = child
@@ -125,14 +85,14 @@ def test_sigterm_to_torchrun_leaves_the_writer_processes_to_finish_the_save_and_
     tmp_path: Path,
 ) -> None:
     ref = tmp_path / "ref"
-    with _killed_at_end(_start(ref)) as proc:
+    with torchrun.killed_at_end(_start(ref)) as proc:
         assert _finish(proc, ref) == 0, _tail(ref)
 
     run, hold, control = tmp_path / "run", tmp_path / "hold", tmp_path / "control"
     hold.mkdir()
     control.mkdir()
     on = {"BATON_WRITER_PROCESS": "1", "BATON_CONTROL_DIR": str(control)}
-    with _killed_at_end(
+    with torchrun.killed_at_end(
         _start(run, "--hold-at", str(HOLD_AT), "--hold-dir", str(hold), **on)
     ) as proc:
         # Held after step 4: the save of step 3 went through a writer process per worker.
@@ -177,7 +137,7 @@ def test_sigterm_to_torchrun_leaves_the_writer_processes_to_finish_the_save_and_
         time.sleep(0.1)
     assert not any(_alive(w) for w in writers.values()), "a writer outlived its worker"
 
-    with _killed_at_end(_start(run, BATON_WRITER_PROCESS="1")) as proc:
+    with torchrun.killed_at_end(_start(run, BATON_WRITER_PROCESS="1")) as proc:
         assert _finish(proc, run) == 0, _tail(run)  # every worker exited 0
     got, want = (json.loads((d / "result.json").read_text()) for d in (run, ref))
     assert got == want

@@ -10,18 +10,16 @@ settings.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from baton_testing import torchrun as launcher
 from baton_testing.sidecar_process import SidecarProcess, wait_for
 from baton_testing.trainer import read_loss_log
 
@@ -30,8 +28,6 @@ from trainer_sdk.control import format_rfc3339, utcnow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-_TESTS = str(Path(__file__).resolve().parents[1])
-_REPO = str(Path(_TESTS).parent)
 _START_TIMEOUT = 300.0
 """Seconds for torchrun and two torch processes to start on 2 busy cores."""
 
@@ -42,37 +38,19 @@ class Torchrun:
     def __init__(self, tmp: Path, control: Path, *, shutdown_timeout: int, sleep: float) -> None:
         self.tmp = tmp
         self.out = tmp / "torchrun.out"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "PET_"))}
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-            env.pop(k, None)
-        env.update(
-            {
-                "BATON_CONTROL_DIR": str(control),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join([_TESTS, _REPO]),
-            }
-        )
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", "2", "--shutdown-timeout", str(shutdown_timeout),
+        target = [
             "-m", "baton_testing.trainer",
             "--steps", "100000", "--sleep", str(sleep), "--timeout", "120",
             "--uri", str(tmp / "ckpt"), "--loss-log", str(tmp / "loss.log"),
             "--result", str(tmp / "result.json"),
         ]  # fmt: skip
-        with open(self.out, "wb") as out:
-            # A session of its own, so that the clean-up reaches the workers too.
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=_REPO,
-                start_new_session=True,
-            )
+        self.proc = launcher.launch(
+            target, log=self.out, nproc=2, shutdown_timeout=shutdown_timeout,
+            env=launcher.clean_env(BATON_CONTROL_DIR=str(control)),
+        )  # fmt: skip
 
     def output(self) -> str:
-        return self.out.read_text(errors="replace")[-8000:]
+        return launcher.tail(self.out, 8000)
 
     def wait_step(self, step: int) -> None:
         def reached() -> bool:
@@ -90,10 +68,9 @@ class Torchrun:
             raise AssertionError(f"torchrun did not end:\n{self.output()}") from e
 
     def kill(self) -> None:
-        """SIGKILL torchrun and its workers (its own process group), whatever is left."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        """SIGKILL torchrun and every process under it, whatever is left."""
+        if self.proc.poll() is None:
+            launcher.kill(self.proc)
 
 
 @pytest.fixture
