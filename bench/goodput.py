@@ -67,6 +67,7 @@ from _goodput_report import PHASES, add_goodput, render  # bench/ is sys.path[0]
 from baton_testing.demo import (
     JOB,
     JOB_NS,
+    NO_NOTICE,
     SPOT_TOLERATION,
     TRAIN,
     Demo,
@@ -208,7 +209,7 @@ DOOMED: dict[str, float] = {}
 def take_node(cluster: Any, node: str, kind: str) -> str:
     if kind == "kill":
         cluster.kill_node(node)
-        return "no notice"
+        return NO_NOTICE
     grace = NOTICE_SECONDS[kind]  # type: ignore[index]
     cluster.preempt(node, provider=kind, grace_s=grace)
     DOOMED[node] = time.time() + grace

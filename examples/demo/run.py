@@ -34,6 +34,7 @@ try:
     from baton_testing.demo import (
         JOB,
         JOB_NS,
+        NO_NOTICE,
         SPOT_TOLERATION,
         TRAIN,
         DemoConfig,
@@ -123,7 +124,7 @@ def interrupt(cfg: DemoConfig, cluster: LocalCluster, node: str, rank: int, step
     if cfg.kill_node:
         say(f"chaos: killing node {node} (rank {rank}) at step {step}, with no notice")
         cluster.kill_node(node)
-        return "kill-node"
+        return NO_NOTICE
     grace = PROVIDER_GRACE[cfg.provider]
     say(
         f"chaos: preempt {node} (rank {rank}) at step {step}: "

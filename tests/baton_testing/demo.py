@@ -50,6 +50,7 @@ from baton_testing.s3 import FAKE_KEY_ID, FAKE_SECRET, REGION, VersityServer
 __all__ = [
     "JOB",
     "JOB_NS",
+    "NO_NOTICE",
     "SPOT_TOLERATION",
     "TRAIN",
     "DemoConfig",
@@ -118,11 +119,17 @@ class DemoConfig:
     """Seconds the job may take from apply to Succeeded."""
 
 
+NO_NOTICE: Final = "no notice"
+"""An :class:`Interruption`'s ``kind`` when the node was lost without notice (a notice's is
+``"<provider> notice"``)."""
+
+
 @dataclass
 class Interruption:
     """What happened around one notice or node loss."""
 
     kind: str
+    """``"aws notice"``, ``"gke notice"``, ...; :data:`NO_NOTICE` for a node lost without one."""
     node: str
     rank: int
     at_step: int
@@ -565,12 +572,12 @@ class Demo:
                         }
                 if pending.resumed_step is None and not pending.committed and now - last_print > 2:
                     waited = time.time() - pending.injected_at
-                    what = (
-                        "the operator to restart the job"
-                        if cfg.kill_node
-                        else "every rank to commit the checkpoint"
-                    )
-                    say(f"job: waiting for {what} ({waited:.0f}s since the {pending.kind})")
+                    if pending.kind == NO_NOTICE:  # nothing to commit: the node is gone
+                        say(f"job: waiting for the operator to restart the job ({waited:.0f}s "
+                            "since the node was lost)")  # fmt: skip
+                    else:
+                        say(f"job: waiting for every rank to commit the checkpoint "
+                            f"({waited:.0f}s since the {pending.kind})")  # fmt: skip
                     last_print = now
             if step // 10 != last_step // 10 or (step == cfg.steps and last_step != step):
                 say(f"train: step {step}/{cfg.steps}")

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from baton_testing.demo import Demo, DemoConfig, Interruption, measure
+from baton_testing.demo import NO_NOTICE, Demo, DemoConfig, Interruption, measure
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo" / "run.py"
 
@@ -121,7 +121,7 @@ def test_a_lost_node_counts_the_steps_trained_after_the_last_periodic_save(
             {"event": "done", "step": 30, "sha256": "beef"},
         ],
     )
-    event = Interruption(kind="kill-node", node="node-1", rank=0, at_step=15, injected_at=1015.5)
+    event = Interruption(kind=NO_NOTICE, node="node-1", rank=0, at_step=15, injected_at=1015.5)
     event.committed = {"step": 10, "trigger": "periodic", "completedAt": "1970-01-01T00:16:50Z"}
     demo.interruptions = [event]
     demo._fill_resume(event)
@@ -161,7 +161,7 @@ def test_a_lost_node_with_the_memory_tier_is_reported_beside_todays_path(
             {"event": "done", "step": 30, "sha256": "f00d"},
         ],
     )
-    lost = Interruption(kind="kill-node", node="node-1", rank=1, at_step=15, injected_at=1015.5)
+    lost = Interruption(kind=NO_NOTICE, node="node-1", rank=1, at_step=15, injected_at=1015.5)
     lost.committed = {"step": 10, "trigger": "periodic"}
     durable.interruptions = [lost]
     durable._fill_resume(lost)
@@ -181,7 +181,7 @@ def test_a_lost_node_with_the_memory_tier_is_reported_beside_todays_path(
             {"event": "done", "step": 30, "sha256": "f00d"},
         ],
     )
-    again = Interruption(kind="kill-node", node="node-2", rank=1, at_step=15, injected_at=2015.5)
+    again = Interruption(kind=NO_NOTICE, node="node-2", rank=1, at_step=15, injected_at=2015.5)
     again.committed = {"step": 15, "trigger": "memory"}
     memory.interruptions = [again]
     memory._fill_resume(again)
