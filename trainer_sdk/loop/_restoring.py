@@ -213,17 +213,29 @@ class Restorer:
 
     def _load(self, step: int, storage: Storage) -> None:
         self.parts.reuse.forget()  # whatever this load writes, the record is rebuilt from it
-        state = self.parts.objects.build(step)
-        info = api.load(
-            state,
-            storage,
-            step=step,
-            process_group=self.parts.group,
-            timeout=self.parts.config.timeout.total_seconds(),
-            # The durable tier: api.load's choice (each byte read once on S3). A memory snapshot
-            # is in each pod's own memory, where every rank reading its own copy is faster.
-            cooperative=None if storage is self.parts.storage else False,
-        )
+        objects = self.parts.objects
+        try:
+            manifest = _catalog.read_manifest(storage, step)
+        except Exception:  # api.load below meets it again, on every rank together
+            manifest = None
+        laid_out = manifest is not None and objects.lay_out_optimizer(manifest)
+        state = objects.build(step)
+        try:
+            info = api.load(
+                state,
+                storage,
+                step=step,
+                process_group=self.parts.group,
+                timeout=self.parts.config.timeout.total_seconds(),
+                # The durable tier: api.load's choice (each byte read once on S3). A memory
+                # snapshot is in each pod's own memory, where every rank reading its own copy
+                # is faster.
+                cooperative=None if storage is self.parts.storage else False,
+            )
+        except BaseException:
+            if laid_out:
+                objects.forget_laid_out()  # the next step tried starts from no state again
+            raise
         note = self.parts.objects.apply(state, info, step)
         if note is not None:
             self._engine.resume_note = note

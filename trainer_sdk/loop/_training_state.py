@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader
 from trainer_sdk import rng
 from trainer_sdk.errors import CheckpointError
 from trainer_sdk.format._types import RankLocal, Stateful
+from trainer_sdk.format.layout import Manifest
 from trainer_sdk.loop import _ddp
 from trainer_sdk.sampler import find_sampler
-from trainer_sdk.saveload._loading import LoadInfo
+from trainer_sdk.saveload._loading import LoadInfo, torch_dtype
 
 __all__ = ["ResumeError", "TrainingState"]
 
@@ -98,6 +99,63 @@ class TrainingState:
             "accumulation_steps": self.accumulation_steps,
         }
         return state
+
+    def lay_out_optimizer(self, manifest: Manifest) -> bool:
+        """Give an optimizer without state (a fresh process about to resume) the tensors
+        ``manifest`` saved for it, uninitialised, so that the load fills them.
+
+        Without this, ``torch.distributed.checkpoint.state_dict`` creates the state by running
+        the optimizer once on zero gradients (``_init_optim_state``): a whole optimizer step of
+        compute (Adam: several passes over every parameter) and the allocations, only for the
+        load to overwrite every value; on 2 cores that was 0.4 s of a 0.7 s restore. Here the
+        same tensors are allocated from the saved shapes and dtypes and nothing is computed;
+        the load fills them and ``load_state_dict`` then takes the saved state whole (its
+        non-tensor values too), exactly as after the zero step.
+
+        Only where the mapping is certain: a ``torch.optim`` optimizer, parameters that are
+        plain tensors (no DTensor, no FSDP1 flat parameter), every parameter's name found
+        among the checkpoint's ``model.`` keys. Otherwise (and when the checkpoint has no
+        optimizer state) nothing is done and the zero step runs as before. Returns whether
+        the state was laid out. Tensors the shape of their parameter go on its device, others
+        (Adam's ``step``, any 0-d value) on the CPU: ``load_state_dict`` moves every value
+        where the optimizer keeps it, as it does after the zero step.
+        """
+        optim = self.optimizer
+        if optim is None or self.model is None or optim.state:
+            return False
+        if not type(optim).__module__.startswith("torch.optim"):
+            return False
+        names = _param_names(self.model)
+        if names is None:
+            return False
+        prefix = "optimizer.state."
+        saved: dict[str, dict[str, Any]] = {}
+        for key, entry in manifest.tensors.items():
+            if key.startswith(prefix) and entry.kind == "replicated":
+                fqn, _, name = key[len(prefix) :].rpartition(".")
+                saved.setdefault(fqn, {})[name] = entry
+        if not saved:
+            return False
+        params = [p for g in optim.param_groups for p in g["params"]]
+        if any(
+            id(p) not in names or f"model.{names[id(p)]}" not in manifest.tensors for p in params
+        ):
+            return False
+        for p in params:
+            for name, entry in saved.get(names[id(p)], {}).items():
+                shape = tuple(entry.shape)
+                on_param = shape == tuple(p.shape) and len(shape) > 0
+                device = p.device if on_param else torch.device("cpu")
+                optim.state[p][name] = torch.empty(
+                    shape, dtype=torch_dtype(entry.dtype), device=device
+                )
+        return True
+
+    def forget_laid_out(self) -> None:
+        """Drop a laid-out optimizer state that no load filled (the load failed before
+        :meth:`apply`), so that the next try starts from no state, as the first did."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
 
     def for_save(self, step: int) -> dict[str, Any]:
         """:meth:`build`, plus what only saves carry (not the load template, so that
@@ -206,6 +264,32 @@ def _unpack_rng(saved: dict[str, Any]) -> dict[str, Any]:
     if isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor):
         saved = {**saved, "python": {**py, "state": [int(x) for x in py["state"].tolist()]}}
     return saved
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str] | None:
+    """``id(parameter)`` -> the name ``torch.distributed.checkpoint.state_dict`` saves it
+    under: ``named_parameters`` without the wrappers' own level (DDP's ``module``,
+    ``torch.compile``'s ``_orig_mod``); None where parameters are not plain tensors (DTensor,
+    FSDP1's flat parameters). A wrapper this does not know leaves a name the checkpoint
+    lacks, which the caller checks."""
+    wrapped = {
+        prefix
+        for prefix, m in model.named_modules()
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel)
+        or type(m).__name__ == "OptimizedModule"
+    }
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        if type(p) not in (torch.nn.Parameter, torch.Tensor):
+            return None
+        parts = name.split(".")
+        kept = [
+            part
+            for i, part in enumerate(parts)
+            if not (part in ("module", "_orig_mod") and ".".join(parts[:i]) in wrapped)
+        ]
+        names[id(p)] = ".".join(kept)
+    return names
 
 
 def _major_minor(version: str) -> tuple[str, ...]:
