@@ -31,6 +31,8 @@ const (
 	// serviceAccountMountPath is where the ServiceAccount admission plugin mounts the token.
 	serviceAccountMountPath = "/var/run/secrets/kubernetes.io/serviceaccount"
 	maxBackoff              = 20 * time.Second
+	setupRetryFirst         = 100 * time.Millisecond // a failed volume setup's first retry
+	setupRetryMax           = time.Second            // and its longest wait between tries
 )
 
 type containerKind int
@@ -77,6 +79,7 @@ type podWorker struct {
 	setupDone   bool
 	setupErr    error
 	nextSetup   time.Time
+	setupWait   time.Duration // the wait before the next try of a failed setup (doubling)
 	volDirs     map[string]string
 	kubeconfigs map[string]string // volume name -> kubeconfig path for SA-token volumes
 	tokenAt     time.Time
@@ -247,8 +250,16 @@ func (w *podWorker) reconcile() bool {
 			return false
 		}
 		if err := w.setup(); err != nil {
+			// Most often the Node authorizer has not yet seen the binding (a Secret read
+			// "forbidden: no relationship found between node ... and this object" a few ms
+			// after it), which a retry a moment later clears: retry after 100 ms, doubling to
+			// 1 s, and wake the worker then rather than at its next 500 ms tick. A flat 1 s
+			// (1.5 s with the tick) started one pod of a gang that much after its peers, and
+			// every rank waited for it in the rendezvous.
 			w.setupErr = err
-			w.nextSetup = time.Now().Add(time.Second)
+			w.setupWait = min(max(2*w.setupWait, setupRetryFirst), setupRetryMax)
+			w.nextSetup = time.Now().Add(w.setupWait)
+			time.AfterFunc(w.setupWait, w.kick)
 			w.pushStatus()
 			return false
 		}
