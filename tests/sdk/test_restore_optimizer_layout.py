@@ -174,3 +174,33 @@ def test_a_failed_load_leaves_no_laid_out_state_for_the_older_step(tmp_path: Pat
     assert steps == []
     assert _same(_tensors(opt2.state_dict()), at_save) == []
     assert _same(_tensors(model2.state_dict()), reference_model) == []
+
+
+def test_a_ddp_wrapped_model_is_laid_out_under_its_unwrapped_names(tmp_path: Path) -> None:
+    """Every multi-rank job restores a DDP-wrapped model, whose parameters are named
+    ``module.<fqn>`` while the checkpoint holds ``model.<fqn>``: the layout must see through
+    the wrapper (the multi-rank resume tests stay bitwise if it does not, because the zero
+    step takes over, so only this test catches the restore falling back to it). A 1-rank gloo
+    group in this process, and the model's own submodule called ``module`` kept."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, opt, _ = _setup("adamw", seed=0)
+    with Checkpointer(str(tmp_path), model=model, optimizer=opt, every_steps=3) as ck:
+        ck.restore()
+        for step in range(1, 4):
+            _train(model, opt)
+            ck.step(step)
+        at_save = _tensors(opt.state_dict())
+
+    model2, opt2, steps = _setup("adamw", seed=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model2)
+        with Checkpointer(str(tmp_path), model=ddp, optimizer=opt2, every_steps=100) as ck:
+            assert ck.restore() == 3
+            assert steps == []
+            assert _same(_tensors(opt2.state_dict()), at_save) == []
+        del ck, ddp  # DDP and the Checkpointer go before the process group
+    finally:
+        dist.destroy_process_group()
